@@ -1,0 +1,1 @@
+"""Repository-level pytest configuration (the test suite's fixtures live in tests/conftest.py)."""

@@ -1,0 +1,1 @@
+"""dump layer of pytest-msprobe."""

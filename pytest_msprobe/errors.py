@@ -1,0 +1,38 @@
+"""The project's exceptions, in one place.
+
+Every error a user can cause (a bad option, a broken dump, a missing baseline) is one of these, and its
+message names the file or the value and the problem, so the CLI and the pytest plugin can print it as one
+line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class MsprobeError(Exception):
+    """Base class of every error pytest-msprobe raises on purpose."""
+
+
+class ConfigError(MsprobeError, ValueError):
+    """A setting (argument, config.json key, option, ini value, marker keyword) has a bad value."""
+
+
+class DumpError(MsprobeError):
+    """Writing a dump failed (disk full, read-only folder, size limit reached...)."""
+
+
+class DumpFormatError(MsprobeError):
+    """A dump on disk cannot be used: the message names the file and what is wrong with it."""
+
+    def __init__(self, path: PathLike, problem: str) -> None:
+        self.path = os.fspath(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class BaselineError(MsprobeError):
+    """A baseline is missing, incomplete or cannot be written."""
