@@ -121,30 +121,37 @@ def _renumber(name: str, base: str, shift_from: int, by: int) -> str:
     return name
 
 
-def insert_call(dump_json: Path, base: str, after: int) -> tuple[str, str]:
-    """Insert one extra call of ``base`` right after call ``after`` (forward and backward), renumbering every
-    later call of ``base``, as an extra ``x = F.relu(x)`` in the model would. The new call takes the output of
-    call ``after`` and returns it unchanged (relu is idempotent). Returns the inserted names."""
+def insert_call(dump_json: Path, base: str, after: int, before: bool = False) -> tuple[str, str]:
+    """Insert one extra call of ``base`` next to call ``after`` (forward and backward), renumbering every
+    later call of ``base``, as an extra ``x = F.relu(x)`` in the model would. The extra call takes the output
+    of call ``after`` and returns it unchanged (relu is idempotent). It goes right after that call, or with
+    ``before`` right before it (then it is the one numbered ``after``). Returns the inserted names."""
     doc = load_data(dump_json)
     data = doc["data"]
-    new_fwd, new_bwd = f"{base}.{after + 1}.forward", f"{base}.{after + 1}.backward"
+    number = after if before else after + 1
+    new_fwd, new_bwd = f"{base}.{number}.forward", f"{base}.{number}.backward"
     src_fwd, src_bwd = data[f"{base}.{after}.forward"], data.get(f"{base}.{after}.backward")
+    extra_fwd = {
+        "input_args": copy.deepcopy(src_fwd["output"]),
+        "input_kwargs": {},
+        "output": copy.deepcopy(src_fwd["output"]),
+    }
+    extra_bwd = None
+    if src_bwd is not None:
+        extra_bwd = {"input": copy.deepcopy(src_bwd["input"]), "output": copy.deepcopy(src_bwd["input"])}
     out: dict[str, Any] = {}
     for name, entry in data.items():
-        renamed = _renumber(name, base, after + 1, 1)
-        if name == f"{base}.{after}.backward" and src_bwd is not None:
-            # backward runs in reverse: the extra call's backward comes first
-            out[new_bwd] = {
-                "input": copy.deepcopy(src_bwd["input"]),
-                "output": copy.deepcopy(src_bwd["input"]),
-            }
+        renamed = _renumber(name, base, number, 1)
+        # backward runs in reverse order: an extra call after this one has its backward before this one's
+        if name == f"{base}.{after}.forward" and before:
+            out[new_fwd] = extra_fwd
+        if name == f"{base}.{after}.backward" and extra_bwd is not None and not before:
+            out[new_bwd] = extra_bwd
         out[renamed] = entry
-        if name == f"{base}.{after}.forward":
-            out[new_fwd] = {
-                "input_args": copy.deepcopy(src_fwd["output"]),
-                "input_kwargs": {},
-                "output": copy.deepcopy(src_fwd["output"]),
-            }
+        if name == f"{base}.{after}.forward" and not before:
+            out[new_fwd] = extra_fwd
+        if name == f"{base}.{after}.backward" and extra_bwd is not None and before:
+            out[new_bwd] = extra_bwd
     doc["data"] = out
     dump_json.write_text(json.dumps(doc, indent=1))
     return new_fwd, new_bwd
