@@ -161,11 +161,11 @@ def main(argv: list[str] | None = None) -> int:
             for name, (case, extra) in runs.items():
                 samples[name].append(run_once(case, Path(out), extra))
 
-    results = []
+    results: list[dict[str, Any]] = []
     for name, got in samples.items():
         wall = statistics.median(s[0] for s in got)
         peak = statistics.median(s[1] for s in got)
-        row = {
+        row: dict[str, Any] = {
             "case": name,
             "median_s": round(wall, 3),
             "min_s": round(min(s[0] for s in got), 3),

@@ -95,9 +95,9 @@ def compare(
             for name, frames in read_stack(t_loc.path).items():
                 stacks.setdefault(name, tuple(frames))
     elif divergence is not None:
-        frames = read_stack(pairs[apis[divergence.api_index].pair][0].path).get(divergence.api)
-        if frames:
-            stacks[divergence.api] = tuple(frames)
+        found = read_stack(pairs[apis[divergence.api_index].pair][0].path).get(divergence.api)
+        if found:
+            stacks[divergence.api] = tuple(found)
     return CompareResult(
         target=os.fspath(target),
         baseline=os.fspath(baseline),

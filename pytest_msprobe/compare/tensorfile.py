@@ -269,7 +269,7 @@ class TensorFile:
             for start in range(0, total, block):
                 count = min(block, total - start)
                 view = buf[:count]
-                got = fh.readinto(memoryview(view).cast("B"))
+                got = fh.readinto(view.view(np.uint8).data)
                 if got != count * disk.itemsize:
                     raise DumpFormatError(self.path, "tensor data is truncated")
                 yield widen(view if disk.isnative else view.astype(disk.newbyteorder("=")), self.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import openpyxl
 import pytest
@@ -42,7 +43,7 @@ def test_every_layout_of_a_real_dump(version: str) -> None:
 
 
 def test_ranks_and_procs_are_numbered(tmp_path: Path) -> None:
-    item = {"Functional.relu.0.forward": {"input_args": [], "input_kwargs": {}, "output": []}}
+    item: dict[str, Any] = {"Functional.relu.0.forward": {"input_args": [], "input_kwargs": {}, "output": []}}
     for step in (0, 2):
         for rank in ("rank3", "rank0", "rank12"):
             write_dump(tmp_path / "dist" / f"step{step}" / rank, item)
@@ -167,7 +168,13 @@ def test_flattening_roles_kinds_and_values() -> None:
 
 
 def test_statistics_written_as_strings_are_read() -> None:
-    item = {"type": "torch.Tensor", "dtype": "torch.float32", "shape": [2], "Max": "inf", "Min": "-inf"}
+    item: dict[str, Any] = {
+        "type": "torch.Tensor",
+        "dtype": "torch.float32",
+        "shape": [2],
+        "Max": "inf",
+        "Min": "-inf",
+    }
     item.update({"Mean": "nan", "Norm": "garbage"})
     (leaf,) = flatten_entry("A.b.0.forward", {"output": [item]})
     assert leaf.max == float("inf") and leaf.min == float("-inf")

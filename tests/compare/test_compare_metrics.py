@@ -17,7 +17,7 @@ f32, f16 = np.float32, np.float16
 NAN, INF = float("nan"), float("inf")
 
 # the arrays behind each line of metrics_edge_cases.txt (msprobe 26.2.0's values on them)
-EDGE_CASES = {
+EDGE_CASES: dict[str, tuple[np.ndarray, np.ndarray]] = {
     "identical f32": (np.array([1, 2, 3], f32), np.array([1, 2, 3], f32)),
     "rel err ~1e-3 on 1 of 3": (np.array([1.001, 2, 3], f32), np.array([1, 2, 3], f32)),
     "both all-zero": (np.zeros(3, f32), np.zeros(3, f32)),
