@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pytest_msprobe.errors import DumpFormatError
 
@@ -27,9 +27,11 @@ INPUT, OUTPUT, PARAMETER = "input", "output", "parameter"
 TENSOR, NONE, VALUE = "tensor", "none", "value"
 
 
-@dataclass(frozen=True)
-class Leaf:
-    """One flattened item of an API entry: a tensor, a None, or a plain value (int, float, str...)."""
+class Leaf(NamedTuple):
+    """One flattened item of an API entry: a tensor, a None, or a plain value (int, float, str...).
+
+    A named tuple rather than a dataclass: a large dump has millions of them, and tuples build ~5x faster.
+    """
 
     name: str  # full row name, e.g. "Functional.relu.2.forward.output.0"
     suffix: str  # the part after the API name, e.g. ".output.0"
@@ -289,11 +291,12 @@ def _walk(node: Any, suffix: str, role: str, api: str, out: list[Leaf], index_li
 
 def _num(value: Any) -> float | None:
     """A statistic as a float: JSON numbers, booleans, and the strings msprobe writes for NaN/Inf."""
+    kind = type(value)
+    if kind is float:
+        return value  # type: ignore[no-any-return]
     if value is None:
         return None
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)):
+    if kind is int or kind is bool:
         return float(value)
     if isinstance(value, str):
         try:
@@ -304,35 +307,43 @@ def _num(value: Any) -> float | None:
 
 
 def _leaf(node: dict[str, Any], api: str, suffix: str, role: str) -> Leaf:
-    kind = TENSOR if "dtype" in node and "shape" in node else VALUE
-    shape = None
-    if kind == TENSOR:
-        raw_shape = node.get("shape")
-        if not isinstance(raw_shape, list) or not all(isinstance(s, int) and s >= 0 for s in raw_shape):
-            raise ValueError(f"bad shape {raw_shape!r} at {api}{suffix}")
-        shape = tuple(raw_shape)
-    data_name = node.get("data_name")
-    if kind == VALUE:
+    get = node.get
+    md5 = get("md5")
+    data_name = get("data_name")
+    grad = get("requires_grad")
+    if "dtype" not in node or "shape" not in node:
         value = node["value"] if "value" in node else {k: v for k, v in node.items() if k != "type"}
-    else:
-        value = None
-    md5 = node.get("md5")
+        return Leaf(
+            api + suffix,
+            suffix,
+            role,
+            VALUE,
+            get("type"),
+            max=_num(get("Max")),
+            min=_num(get("Min")),
+            mean=_num(get("Mean")),
+            norm=_num(get("Norm")),
+            md5=None if md5 is None else str(md5),
+            value=value,
+        )
+    raw_shape = node["shape"]
+    if type(raw_shape) is not list or not all(type(s) is int and s >= 0 for s in raw_shape):
+        raise ValueError(f"bad shape {raw_shape!r} at {api}{suffix}")
     return Leaf(
-        name=api + suffix,
-        suffix=suffix,
-        role=role,
-        kind=kind,
-        type=node.get("type"),
-        dtype=str(node["dtype"]) if kind == TENSOR else None,
-        shape=shape,
-        max=_num(node.get("Max")),
-        min=_num(node.get("Min")),
-        mean=_num(node.get("Mean")),
-        norm=_num(node.get("Norm")),
-        requires_grad=node.get("requires_grad") if isinstance(node.get("requires_grad"), bool) else None,
-        md5=str(md5) if md5 is not None else None,
-        data_name=str(data_name) if isinstance(data_name, str) and data_name else None,
-        value=value,
+        api + suffix,
+        suffix,
+        role,
+        TENSOR,
+        get("type"),
+        str(node["dtype"]),
+        tuple(raw_shape),
+        _num(get("Max")),
+        _num(get("Min")),
+        _num(get("Mean")),
+        _num(get("Norm")),
+        grad if type(grad) is bool else None,
+        None if md5 is None else str(md5),
+        data_name if type(data_name) is str and data_name else None,
     )
 
 

@@ -7,7 +7,9 @@ RelL2Err (EucDist / norm) and ScaledMaxAbsErr (MaxAbsErr / largest magnitude). A
 ``error`` tolerance of its dtype, a **warning** above ``warning``; absolute differences at or below ``atol``
 never count (they are below what the dtype can hold for values that small).
 
-Default tolerances (the looser of the two sides' dtypes applies):
+Default tolerances (the baseline's dtype applies: the target must reproduce the baseline to the baseline's
+precision, so a bfloat16 target against a float32 baseline is held to float32; a dtype difference is also
+reported as a warning):
 
 ============== ======== ========== ======== ===========================================================
 dtype          error    warning    atol     why
@@ -42,6 +44,7 @@ must be than its input error for the first divergence to be placed there when er
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -108,6 +111,7 @@ _ALIASES = {
 }
 
 
+@functools.lru_cache(maxsize=256)
 def normalize_dtype(dtype: str | None) -> str | None:
     """``torch.float32`` / ``fp32`` / ``float32`` -> ``float32``; None for no dtype."""
     if dtype is None:
@@ -154,20 +158,15 @@ class Thresholds:
         return self.dtypes.get(name) or self.dtypes.get("float32", _F32)
 
     def tolerance(
-        self, dtypes: tuple[str | None, ...], api: str, row: str, statistics: bool = False
+        self, dtype: str | None, api: str, row: str, statistics: bool = False
     ) -> tuple[Tolerance, bool]:
-        """The tolerance of a row (looser of its dtypes, then API rules) and whether the row is skipped.
+        """The tolerance of a row whose baseline has ``dtype`` (then API rules), and whether it is skipped.
 
-        With ``statistics``, integer and bool tensors get float32's tolerance: their Mean and Norm are
-        computed in floating point by the dumping side, and only values are compared exactly.
+        The baseline's dtype decides: the target must reproduce the baseline to the baseline's precision
+        (a bfloat16 target against a float32 baseline is held to float32). With ``statistics``, integer and
+        bool tensors get float32's tolerance: the dumping side computes their Mean and Norm in floating point.
         """
-        tol: Tolerance | None = None
-        for dtype in dtypes:
-            if dtype is not None:
-                this = self.for_dtype("float32" if statistics and is_integral(dtype) else dtype)
-                tol = this if tol is None else tol.looser(this)
-        if tol is None:
-            tol = self.for_dtype(None)
+        tol = self._dtype_tolerance(dtype, statistics)
         skip = False
         for rule in self.apis:
             if rule.matches(api, row):
@@ -183,6 +182,14 @@ class Thresholds:
                         atol=tol.atol if rule.atol is None else rule.atol,
                     )
         return tol, skip
+
+    def _dtype_tolerance(self, dtype: str | None, statistics: bool) -> Tolerance:
+        cache = self.__dict__.setdefault("_cache", {})  # per instance; not a field, so not compared
+        key = (dtype, statistics)
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = self.for_dtype("float32" if statistics and is_integral(dtype) else dtype)
+        return found  # type: ignore[no-any-return]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (the same shape :func:`load_thresholds_file` reads)."""

@@ -34,7 +34,7 @@ from pytest_msprobe.compare.result import (
     RowResult,
     worst,
 )
-from pytest_msprobe.compare.thresholds import Tolerance
+from pytest_msprobe.compare.thresholds import Tolerance, normalize_dtype
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def _same_value(x: object, y: object) -> bool:
 
 
 def _tensor_notes(check: Check, target: Leaf, baseline: Leaf) -> Check:
-    if target.dtype != baseline.dtype:
+    if normalize_dtype(target.dtype) != normalize_dtype(baseline.dtype):
         check = _escalate(check, WARNING, f"dtype differs: {target.dtype} vs {baseline.dtype}")
     if (
         target.requires_grad is not None

@@ -8,6 +8,7 @@ temporary name and renamed, so a reader never sees half a workbook.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -54,21 +55,45 @@ def column_letter(index: int) -> str:
     return letters
 
 
-def _cell(ref: str, value: Any, style: int) -> str:
-    s = f' s="{style}"' if style else ""
-    if value is None:
-        return f'<c r="{ref}"{s}/>' if style else ""
-    if isinstance(value, bool):
-        return f'<c r="{ref}"{s} t="b"><v>{int(value)}</v></c>'
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if isinstance(value, float) and not math.isfinite(value):
-            value = "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        else:
-            return f'<c r="{ref}"{s}><v>{value!r}</v></c>'
-    text = _ILLEGAL.sub("", str(value))
+@functools.lru_cache(maxsize=1 << 16)
+def _text(value: str) -> str:
+    """A string as the content of an inline-string cell (legal XML characters, escaped, Excel's length)."""
+    text = _ILLEGAL.sub("", value)
     if len(text) > MAX_CELL:
         text = text[: MAX_CELL - 3] + "..."
-    return f'<c r="{ref}"{s} t="inlineStr"><is><t xml:space="preserve">{escape(text)}</t></is></c>'
+    space = ' xml:space="preserve"' if text[:1].isspace() or text[-1:].isspace() or "\n" in text else ""
+    return f"<t{space}>{escape(text)}</t>"
+
+
+def _cells(refs: Sequence[str], values: Sequence[Any], row: int, style: int) -> str:
+    """The <c> elements of one row (the hot loop of a big report: plain type dispatch, cached strings)."""
+    s = f' s="{style}"' if style else ""
+    parts = []
+    for ref, value in zip(refs, values):
+        kind = type(value)
+        if kind is str:
+            parts.append(f'<c r="{ref}{row}"{s} t="inlineStr"><is>{_text(value)}</is></c>')
+        elif kind is float:
+            if math.isfinite(value):
+                parts.append(f'<c r="{ref}{row}"{s}><v>{value!r}</v></c>')
+            else:
+                word = "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+                parts.append(f'<c r="{ref}{row}"{s} t="inlineStr"><is><t>{word}</t></is></c>')
+        elif kind is bool:
+            parts.append(f'<c r="{ref}{row}"{s} t="b"><v>{int(value)}</v></c>')
+        elif kind is int:
+            parts.append(f'<c r="{ref}{row}"{s}><v>{value}</v></c>')
+        elif value is None:
+            if style:
+                parts.append(f'<c r="{ref}{row}"{s}/>')
+        else:  # numpy numbers and anything else: as a float if it is one, else as text
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                parts.append(f'<c r="{ref}{row}"{s} t="inlineStr"><is>{_text(str(value))}</is></c>')
+            else:
+                parts.append(_cells((ref,), (number,), row, style))
+    return "".join(parts)
 
 
 def _sheet_xml(sheet: Sheet, fh: Any) -> None:
@@ -97,7 +122,7 @@ def _sheet_xml(sheet: Sheet, fh: Any) -> None:
         )
         fh.write(f"<cols>{cols}</cols>".encode())
     fh.write(b"<sheetData>")
-    header = "".join(_cell(f"{letters[i]}1", v, HEADER) for i, v in enumerate(sheet.header))
+    header = _cells(letters, [str(h) for h in sheet.header], 1, HEADER)
     fh.write(f'<row r="1">{header}</row>'.encode())
     styles = iter(sheet.styles)
     r = 1
@@ -107,8 +132,7 @@ def _sheet_xml(sheet: Sheet, fh: Any) -> None:
             break
         r += 1
         style = next(styles, PLAIN)
-        cells = "".join(_cell(f"{letters[i]}{r}", v, style) for i, v in enumerate(values[:ncols]))
-        buffer.append(f'<row r="{r}">{cells}</row>')
+        buffer.append(f'<row r="{r}">{_cells(letters, values, r, style)}</row>')
         if len(buffer) >= 512:
             fh.write("".join(buffer).encode())
             buffer.clear()

@@ -6,6 +6,7 @@ let that pass (cosine 1.0) and its advisor blamed the relu's backward; ours must
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -230,3 +231,23 @@ def test_rank_folders_pair_by_rank(tmp_path: Path) -> None:
     assert [(p.step, p.rank) for p in result.pairs] == [(0, 0), (0, 1)]
     fd = result.first_divergence
     assert fd is not None and (fd.api, fd.rank) == (RELU, 1)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_one_op_computed_in_bfloat16_is_found(tmp_path: Path, version: str) -> None:
+    """A bfloat16 op against a float32 baseline is held to the baseline's precision, not to bfloat16's."""
+    torch = pytest.importorskip("torch")
+    bench = dump_dir(version, "bench", "tensor_L1", 0)
+    target = copy_dump(bench, tmp_path / "bf16")
+    (dump_json,) = target.rglob("dump.json")
+    doc = json.loads(dump_json.read_text())
+    item = doc["data"]["Functional.conv2d.3.forward"]["output"][0]
+    item["dtype"] = "torch.bfloat16"
+    pt = dump_json.parent / "dump_tensor_data" / item["data_name"]
+    torch.save(torch.load(pt, weights_only=True).bfloat16(), pt)
+    dump_json.write_text(json.dumps(doc))
+    result = compare(target, bench)
+    fd = result.first_divergence
+    assert fd is not None and (fd.api, fd.rule) == ("Functional.conv2d.3.forward", "enters")
+    row = result.rows[fd.row_index]
+    assert row.status == ERROR and "dtype differs: torch.bfloat16 vs torch.float32" in row.reason

@@ -47,17 +47,15 @@ def test_dtype_aliases(name: str, canonical: str) -> None:
     assert normalize_dtype(name) == canonical
 
 
-def test_a_row_gets_the_looser_tolerance_of_its_two_dtypes() -> None:
-    tol, skip = Thresholds().tolerance(
-        ("torch.float32", "torch.bfloat16"), "A.b.0.forward", "A.b.0.forward.output.0"
-    )
+def test_a_row_gets_the_tolerance_of_its_baselines_dtype() -> None:
+    tol, skip = Thresholds().tolerance("torch.bfloat16", "A.b.0.forward", "A.b.0.forward.output.0")
     assert tol == DEFAULT_DTYPE_TOLERANCES["bfloat16"] and not skip
 
 
 def test_integer_tensors_are_exact_by_value_and_float32_like_by_statistics() -> None:
     t = Thresholds()
-    assert t.tolerance(("torch.int64",), "a", "a")[0].error == 0
-    assert t.tolerance(("torch.int64",), "a", "a", statistics=True)[0] == t.for_dtype("float32")
+    assert t.tolerance("torch.int64", "a", "a")[0].error == 0
+    assert t.tolerance("torch.int64", "a", "a", statistics=True)[0] == t.for_dtype("float32")
 
 
 def test_api_rules_match_api_or_row_and_the_last_match_wins() -> None:
@@ -69,18 +67,16 @@ def test_api_rules_match_api_or_row_and_the_last_match_wins() -> None:
         )
     )
     tol, skip = t.tolerance(
-        ("torch.float32",), "Functional.softmax.0.forward", "Functional.softmax.0.forward.output.0"
+        "torch.float32", "Functional.softmax.0.forward", "Functional.softmax.0.forward.output.0"
     )
     assert (tol.error, tol.warning, skip) == (1e-3, 1e-4, False)
     tol, _ = t.tolerance(
-        ("torch.float32",), "Functional.softmax.0.backward", "Functional.softmax.0.backward.output.0"
+        "torch.float32", "Functional.softmax.0.backward", "Functional.softmax.0.backward.output.0"
     )
     assert (tol.error, tol.warning) == (5e-3, 1e-3)
-    tol, _ = t.tolerance(
-        ("torch.float32",), "Functional.relu.0.forward", "Functional.relu.0.forward.output.0"
-    )
+    tol, _ = t.tolerance("torch.float32", "Functional.relu.0.forward", "Functional.relu.0.forward.output.0")
     assert tol.error == 1e-4
-    assert t.tolerance(("torch.float32",), "Functional.dropout.3.forward", "x")[1] is True
+    assert t.tolerance("torch.float32", "Functional.dropout.3.forward", "x")[1] is True
 
 
 def _parse(argv: list[str], prefix: str = "") -> argparse.Namespace:
