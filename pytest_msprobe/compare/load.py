@@ -293,7 +293,7 @@ def _num(value: Any) -> float | None:
     """A statistic as a float: JSON numbers, booleans, and the strings msprobe writes for NaN/Inf."""
     kind = type(value)
     if kind is float:
-        return value  # type: ignore[no-any-return]
+        return value
     if value is None:
         return None
     if kind is int or kind is bool:

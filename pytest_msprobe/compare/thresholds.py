@@ -189,7 +189,7 @@ class Thresholds:
         found = cache.get(key)
         if found is None:
             found = cache[key] = self.for_dtype("float32" if statistics and is_integral(dtype) else dtype)
-        return found  # type: ignore[no-any-return]
+        return found
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (the same shape :func:`load_thresholds_file` reads)."""
