@@ -285,6 +285,9 @@ def _walk(node: Any, suffix: str, role: str, api: str, out: list[Leaf], index_li
     elif isinstance(node, list):
         for i, value in enumerate(node):
             _walk(value, f"{suffix}.{i}" if index_lists else suffix, role, api, out, index_lists)
+    elif isinstance(node, (str, int, float, bool)):
+        # a bare value (e.g. the "op" or "peer" of a distributed P2POp record): a plain-value row
+        out.append(Leaf(api + suffix, suffix, role, VALUE, type(node).__name__, value=node))
     else:
         raise TypeError(f"unexpected {type(node).__name__} at {api}{suffix}")
 

@@ -100,7 +100,6 @@ def test_unusable_paths(tmp_path: Path, setup: object, problem: str) -> None:
             '{"data": {"A.b.0.forward": {"output": [{"type": "torch.Tensor", "dtype": "x", "shape": "?"}]}}}',
             "bad shape",
         ),
-        ('{"data": {"A.b.0.forward": {"output": [7]}}}', "unexpected int"),
     ],
 )
 def test_broken_dump_json(tmp_path: Path, content: str, problem: str) -> None:
@@ -164,6 +163,25 @@ def test_flattening_roles_kinds_and_values() -> None:
     assert [(leaf.name, leaf.role) for leaf in grads] == [
         ("Module.fc.Linear.parameters_grad.weight", OUTPUT),
         ("Module.fc.Linear.parameters_grad.bias", OUTPUT),
+    ]
+
+
+def test_bare_values_and_distributed_records_become_value_rows() -> None:
+    p2p = {
+        "class_type": "torch.distributed.P2POp",
+        "op": "isend",
+        "peer": 1,
+        "tensor": tensor([2], 0.0, 1.0, 0.5, 1.0),
+    }
+    leaves = flatten_entry(
+        "Distributed.batch_isend_irecv.0.forward", {"input_args": [[p2p], 7], "output": []}
+    )
+    assert [(leaf.suffix, leaf.kind, leaf.value) for leaf in leaves] == [
+        (".input.0.0.class_type", VALUE, "torch.distributed.P2POp"),
+        (".input.0.0.op", VALUE, "isend"),
+        (".input.0.0.peer", VALUE, 1),
+        (".input.0.0.tensor", TENSOR, None),
+        (".input.1", VALUE, 7),
     ]
 
 
