@@ -391,9 +391,14 @@ def first_divergence(
     i = inherited[0]
     api = apis[i]
     in_rows = [j for j in api.rows if rows[j].role != OUTPUT and rows[j].status == ERROR]
-    first_in = rows[in_rows[0]].row if in_rows else api.api
+    if not in_rows:  # (its inputs are unknown)
+        return make(
+            i, "inherited", "its inputs cannot be compared, and no call's error is shown to enter later"
+        )
+    first_in = in_rows[0]
     why = (
-        f"its inputs already differ ({first_in}): the error entered before this dump (an earlier step, "
-        f"the weights or the data), and no later call's output error is {amplification:g}x its input error"
+        f"its inputs already differ ({rows[first_in].row}): the error entered before this dump (an earlier "
+        f"step, the weights or the data), and no later call's output error is {amplification:g}x its input error"
     )
-    return make(i, "inherited", why)
+    # the row to look at is the input that already differs
+    return Divergence(api.api, rows[first_in].row, api.step, api.rank, why, "inherited", i, first_in)

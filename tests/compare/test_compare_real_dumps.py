@@ -87,6 +87,7 @@ def test_step_1_alone_errors_flow_in_everywhere(version: str) -> None:
     fd = result.first_divergence
     assert fd is not None and not result.passed
     assert (fd.api, fd.rule, fd.step) == ("Functional.conv2d.0.forward", "inherited", 1)
+    assert fd.row == "Functional.conv2d.0.forward.input.1"  # the weight, moved by step 0's update
     assert "Functional.conv2d.0.forward.input.1" in fd.reason and "before this dump" in fd.reason
     # with a lower amplification the rule places it where the error grows most steeply
     relaxed = compare(npu, bench, thresholds=Thresholds(amplification=5))

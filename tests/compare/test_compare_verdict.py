@@ -201,7 +201,7 @@ def test_otherwise_the_first_breach_with_inherited_errors() -> None:
     apis, rows = build(call(0, 2e-4, 3e-4), call(1, 3e-4, 6e-4))
     fd = first_divergence(apis, rows, {}, 10.0)
     assert fd is not None and (fd.api, fd.rule) == ("A.op0.0.forward", "inherited")
-    assert "A.op0.0.forward.input.0" in fd.reason
+    assert fd.row == "A.op0.0.forward.input.0" and "A.op0.0.forward.input.0" in fd.reason
 
 
 def test_nothing_breaches() -> None:
