@@ -49,7 +49,7 @@ from pytest_msprobe.compare.verdict import (
     first_divergence,
     summarize_api,
 )
-from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.errors import ConfigError, DumpFormatError
 
 MODES = ("auto", "statistics", "tensor", "md5")
 
@@ -77,7 +77,7 @@ def compare(
         (False, 'Functional.relu.2.forward')
     """
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     thresholds = thresholds or Thresholds()
     t_locs, b_locs = discover(target), discover(baseline)
     pairs, unpaired = _pair_locations(t_locs, b_locs, target, baseline)
@@ -219,10 +219,12 @@ class _Builder:
     def add(self, t: Dump, b: Dump, alignment: Alignment) -> None:
         mode = self._resolve_mode(t, b)
         pair = len(self.pairs)
+        step = t.location.step if t.location.step is not None else b.location.step
+        rank = t.location.rank if t.location.rank is not None else b.location.rank
         self.pairs.append(
             DumpPair(
-                t.location.step,
-                t.location.rank,
+                step,
+                rank,
                 str(t.path),
                 str(b.path),
                 alignment.method,
@@ -231,8 +233,6 @@ class _Builder:
                 alignment.baseline_only,
             )
         )
-        step = t.location.step if t.location.step is not None else b.location.step
-        rank = t.location.rank if t.location.rank is not None else b.location.rank
         first_api = len(self.apis)
         for position, (ti, bj) in enumerate(alignment.pairs):
             te = t.entries[ti] if ti is not None else None
