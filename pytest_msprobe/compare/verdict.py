@@ -300,12 +300,14 @@ def summarize_api(rows: Sequence[RowResult], first_index: int, only_one_side: bo
     counted = [r for r in rows if r.status not in (SKIPPED, UNMATCHED) and r.error is not None]
     inputs = [r for r in counted if r.role in (INPUT, PARAMETER)]
     outputs = [r for r in counted if r.role == OUTPUT]
-    status = worst(r.status for r in rows)
+    # both sides made this call: a row only one side has (an extra output, say) is a warning about the call
+    statuses = [WARNING if r.status == UNMATCHED else r.status for r in rows]
+    status = worst(statuses)
     worst_row: int | None = None
     reason = ""
     if status in (ERROR, WARNING):
         # the reason is about the worst output row where there is one: outputs are what the call produced
-        flagged = [(i, r) for i, r in enumerate(rows) if r.status == status]
+        flagged = [(i, r) for i, r in enumerate(rows) if statuses[i] == status]
         flagged.sort(key=lambda t: (t[1].role != OUTPUT, -(t[1].error or 0.0)))
         i, r = flagged[0]
         worst_row = first_index + i

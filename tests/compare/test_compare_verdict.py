@@ -261,3 +261,14 @@ def test_skip_rules_report_but_do_not_fail(tmp_path: Path) -> None:
     assert result.passed
     (row,) = result.rows
     assert row.status == SKIPPED and "skip rule" in row.reason and row.error == pytest.approx(1 / 3)
+
+
+def test_a_call_with_an_extra_output_on_one_side_is_a_warning(tmp_path: Path) -> None:
+    out = tensor([8], 0.0, 1.0, 0.5, 2.0)
+    write_dump(tmp_path / "t", {"Functional.relu.0.backward": {"input": [out], "output": [out, None]}})
+    write_dump(tmp_path / "b", {"Functional.relu.0.backward": {"input": [out], "output": [out]}})
+    result = compare(tmp_path / "t", tmp_path / "b")
+    (api,) = result.apis
+    assert [r.status for r in result.rows] == [PASS, PASS, UNMATCHED]
+    assert api.status == WARNING and api.reason.endswith("output.1: only in the target: not compared")
+    assert result.passed
