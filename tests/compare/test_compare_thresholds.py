@@ -197,3 +197,39 @@ def test_unreadable_thresholds_file(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(ConfigError, match="invalid JSON"):
         load_thresholds_file(tmp_path / "x.json")
+
+
+def test_options_declared_through_pytest(tmp_path: Path) -> None:
+    """What the plugin will do: declare the options on a pytest group, read them from the Config."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "conftest.py").write_text(
+        "from pytest_msprobe.compare.thresholds import add_threshold_options, thresholds_from_options\n"
+        "def pytest_addoption(parser):\n"
+        "    add_threshold_options(parser.getgroup('msprobe').addoption, 'msprobe-')\n"
+        "def pytest_configure(config):\n"
+        "    config.thresholds = thresholds_from_options(config, 'msprobe-')\n"
+    )
+    (tmp_path / "test_x.py").write_text(
+        "def test_x(pytestconfig):\n"
+        "    t = pytestconfig.thresholds\n"
+        "    assert t.for_dtype('float32').error == 2e-4 and t.apis[0].pattern == 'Functional.softmax.*'\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)]
+    ok = subprocess.run(
+        [*args, "--msprobe-rtol", "2e-4", "--msprobe-api-rtol", "Functional.softmax.*=1e-3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = subprocess.run(
+        [*args, "--msprobe-rtol", "x"], capture_output=True, text=True, env=env, cwd=tmp_path, check=False
+    )
+    assert bad.returncode == 4 and "expected a number, got 'x'" in bad.stderr
