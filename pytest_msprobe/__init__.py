@@ -13,15 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["PrecisionDebugger", "__version__", "seed_all"]
+__all__ = ["PrecisionDebugger", "__version__", "compare", "seed_all"]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pytest_msprobe.compare.engine import compare
     from pytest_msprobe.dump.debugger import PrecisionDebugger
     from pytest_msprobe.dump.determinism import seed_all
 
 _LAZY = {
     "PrecisionDebugger": "pytest_msprobe.dump.debugger",
     "seed_all": "pytest_msprobe.dump.determinism",
+    "compare": "pytest_msprobe.compare.engine",
 }
 
 

@@ -1,16 +1,210 @@
-"""The ``pytest-msprobe`` command line."""
+"""The ``pytest-msprobe`` command line (also ``python -m pytest_msprobe``).
+
+    pytest-msprobe compare TARGET BASELINE -o OUT [--fuzzy] [--mode M] [-j N] [threshold options]
+    pytest-msprobe compare -i compare.json -o OUT [-s]        # msprobe 8.x's form
+
+Exit status: 0 when every API is within its thresholds, 1 when any breaches, 2 on unusable input or a usage
+error (one line on stderr naming the file and the problem).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_msprobe.errors import ConfigError, MsprobeError
+
+PROG = "pytest-msprobe"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pytest_msprobe.compare.thresholds import add_threshold_options
+
+    parser = argparse.ArgumentParser(prog=PROG, description="Precision tools for msprobe-format dumps.")
+    # msprobe's own command line takes the framework before the command (msprobe -f pytorch compare ...)
+    parser.add_argument("-f", "--framework", choices=["pytorch"], default="pytorch", help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    cmp = commands.add_parser(
+        "compare",
+        help="compare a dump with a baseline dump",
+        description="Compare a target dump (e.g. the NPU run) with a baseline dump (e.g. the GPU run): "
+        "align their API calls, judge every row against the thresholds, name the first divergence, and "
+        "write compare_result_{timestamp}.xlsx, advisor_{timestamp}.txt and summary.json to OUT.",
+        epilog="exit status: 0 all within thresholds, 1 any API breaches, 2 unusable input or usage error",
+    )
+    cmp.add_argument(
+        "target",
+        nargs="?",
+        help="dump to check: a dump.json, a rank folder (rank, rank{R}, proc{PID}), a step folder or a "
+        "dump root holding step{N}/",
+    )
+    cmp.add_argument("baseline", nargs="?", help="reference dump, in any of the same forms")
+    cmp.add_argument(
+        "-i",
+        "--input-path",
+        "--input_path",
+        dest="input_path",
+        metavar="COMPARE_JSON",
+        help='msprobe 8.x compare.json: {"npu_path": ..., "bench_path": ..., "stack_path": ...}',
+    )
+    cmp.add_argument(
+        "-o",
+        "--output-path",
+        "--output_path",
+        dest="output_path",
+        required=True,
+        metavar="OUT",
+        help="report folder",
+    )
+    cmp.add_argument(
+        "-s",
+        "--stack-mode",
+        "--stack_mode",
+        dest="stack_mode",
+        action="store_true",
+        help="fill NPU_Stack_Info with each API's call stack (from stack.json)",
+    )
+    cmp.add_argument(
+        "-fm",
+        "--fuzzy",
+        "--fuzzy-match",
+        "--fuzzy_match",
+        dest="fuzzy",
+        action="store_true",
+        help="also pair calls of different API names whose tensors have the same dtypes and shapes",
+    )
+    cmp.add_argument(
+        "--mode",
+        choices=["auto", "statistics", "tensor", "md5"],
+        default="auto",
+        help="auto: tensor when both dumps hold tensor files, md5 when both hold CRCs, else statistics",
+    )
+    cmp.add_argument(
+        "-j",
+        "--jobs",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="processes reading tensor files (default 1)",
+    )
+    cmp.add_argument(
+        "-hl", "--highlight", action="store_true", help=argparse.SUPPRESS
+    )  # msprobe's; always on here
+    cmp.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    add_threshold_options(cmp.add_argument)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
+
+
+def _resolve(value: str, compare_json: str) -> str:
+    """A relative path of a compare.json: from the current folder (as msprobe does), else from the
+    compare.json's folder or the nearest folder above it where it exists."""
+    if os.path.isabs(value) or os.path.exists(value):
+        return value
+    folder = os.path.dirname(os.path.abspath(compare_json))
+    while True:
+        candidate = os.path.join(folder, value)
+        if os.path.exists(candidate):
+            return os.path.normpath(candidate)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return value
+        folder = parent
+
+
+def _from_compare_json(path: str) -> tuple[str, str, str | None]:
+    """npu_path, bench_path and stack_path of an msprobe compare.json."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a JSON object with npu_path and bench_path")
+    found: dict[str, str | None] = {}
+    for key in ("npu_path", "bench_path", "stack_path"):
+        value = doc.get(key)
+        if value is None or value == "":
+            if key != "stack_path":
+                raise ConfigError(f"{path}: missing {key!r}")
+            found[key] = None
+            continue
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: {key} must be a path string, got {value!r}")
+        found[key] = _resolve(value, path)
+    return str(found["npu_path"]), str(found["bench_path"]), found["stack_path"]
+
+
+def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pytest_msprobe.compare.engine import compare
+    from pytest_msprobe.compare.load import read_stack_file
+    from pytest_msprobe.compare.thresholds import thresholds_from_options
+    from pytest_msprobe.report import console_summary, write_reports
+
+    stack_path = None
+    if args.input_path:
+        if args.target or args.baseline:
+            parser.error("give TARGET BASELINE or -i COMPARE_JSON, not both")
+        target, baseline, stack_path = _from_compare_json(args.input_path)
+    elif args.target and args.baseline:
+        target, baseline = args.target, args.baseline
+    else:
+        parser.error("compare needs TARGET and BASELINE (or -i COMPARE_JSON)")
+    thresholds = thresholds_from_options(args)
+    result = compare(
+        target,
+        baseline,
+        thresholds=thresholds,
+        fuzzy=args.fuzzy,
+        mode=args.mode,
+        jobs=args.jobs,
+        stack=args.stack_mode and stack_path is None,
+    )
+    if args.stack_mode and stack_path is not None:
+        # the compare.json names the stack file: msprobe reads it instead of the one beside the dump
+        if not os.path.isfile(stack_path):
+            raise ConfigError(f"{stack_path}: stack_path is not a file")
+        stacks = {name: tuple(frames) for name, frames in read_stack_file(Path(stack_path)).items()}
+        result = dataclasses.replace(result, stacks={**stacks, **result.stacks})
+    paths = write_reports(result, args.output_path)
+    if not args.quiet:
+        print(console_summary(result, paths))
+    return 0 if result.passed else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pytest-msprobe")
-    parser.add_subparsers(dest="command", required=True)
-    parser.parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "compare":
+            return _run_compare(args, parser)
+        parser.error(f"unknown command {args.command!r}")
+    except SystemExit as exc:  # argparse's usage errors (2) and --help (0)
+        code: Any = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 2)
+    except MsprobeError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
     return 2
 
 

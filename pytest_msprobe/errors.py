@@ -36,3 +36,7 @@ class DumpFormatError(MsprobeError):
 
 class BaselineError(MsprobeError):
     """A baseline is missing, incomplete or cannot be written."""
+
+
+class ReportError(MsprobeError):
+    """A compare report (xlsx, advisor, summary.json) cannot be written: the message names the file."""

@@ -1,1 +1,46 @@
-"""report layer of pytest-msprobe."""
+"""Reports of a compare, all views of one :class:`~pytest_msprobe.compare.result.CompareResult`:
+
+``compare_result_{timestamp}.xlsx`` (msprobe 8.3.3's columns, then ours; rows coloured by verdict),
+``advisor_{timestamp}.txt`` (where to look first and what to try) and ``summary.json`` (the verdict for
+machines), each written atomically; :func:`console_summary` is the terminal view.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pytest_msprobe.compare.result import CompareResult
+from pytest_msprobe.errors import ReportError
+from pytest_msprobe.report.advisor import advisor_text
+from pytest_msprobe.report.files import write_text
+from pytest_msprobe.report.summary import console_summary, summary_dict, summary_json
+from pytest_msprobe.report.table import api_sheet, compare_sheet
+from pytest_msprobe.report.xlsxwriter import write_xlsx
+
+__all__ = ["ReportError", "console_summary", "summary_dict", "write_reports"]
+
+
+def write_reports(result: CompareResult, out_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Write the xlsx, the advisor and summary.json into ``out_dir`` (created if needed).
+
+    Returns ``{"xlsx": path, "advisor": path, "summary": path}``.
+    """
+    out = Path(out_dir)
+    paths = {
+        "xlsx": str(out / f"compare_result_{result.timestamp}.xlsx"),
+        "advisor": str(out / f"advisor_{result.timestamp}.txt"),
+        "summary": str(out / "summary.json"),
+    }
+    current = str(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        current = paths["xlsx"]
+        write_xlsx(current, [compare_sheet(result), api_sheet(result)])
+        current = paths["advisor"]
+        write_text(current, advisor_text(result))
+        current = paths["summary"]
+        write_text(current, summary_json(result))
+    except OSError as exc:
+        raise ReportError(f"{current}: cannot write report ({exc.strerror or exc})") from None
+    return paths

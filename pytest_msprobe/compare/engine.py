@@ -1,0 +1,529 @@
+"""The compare: load both dumps, pair their steps and ranks, align the calls, judge every row, find the
+first divergence. :func:`compare` is the library entry point the CLI and the pytest plugin call."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_msprobe.compare.align import Alignment, align
+from pytest_msprobe.compare.load import (
+    OUTPUT,
+    TENSOR,
+    ApiEntry,
+    Dump,
+    DumpLocation,
+    Leaf,
+    discover,
+    is_parameters_grad,
+    parse_name,
+    read_dump,
+    read_stack,
+    tensor_path,
+)
+from pytest_msprobe.compare.metrics import TensorMetrics, tensor_metrics
+from pytest_msprobe.compare.result import (
+    ERROR,
+    PASS,
+    UNMATCHED,
+    WARNING,
+    ApiResult,
+    CompareResult,
+    DumpPair,
+    RowResult,
+)
+from pytest_msprobe.compare.tensorfile import open_tensor
+from pytest_msprobe.compare.thresholds import Thresholds
+from pytest_msprobe.compare.verdict import (
+    Check,
+    check_kinds,
+    check_md5,
+    check_statistics,
+    check_tensors,
+    check_unmatched,
+    finish,
+    first_divergence,
+    summarize_api,
+)
+from pytest_msprobe.errors import ConfigError, DumpFormatError
+
+MODES = ("auto", "statistics", "tensor", "md5")
+
+
+def compare(
+    target: str | os.PathLike[str],
+    baseline: str | os.PathLike[str],
+    *,
+    thresholds: Thresholds | None = None,
+    fuzzy: bool = False,
+    mode: str = "auto",
+    jobs: int = 1,
+    stack: bool = False,
+) -> CompareResult:
+    """Compare a target dump with a baseline dump.
+
+    ``target`` and ``baseline`` are a dump.json, a rank folder, a step folder or a dump root; all their steps
+    and ranks are compared, paired by step and rank. ``mode`` is ``auto`` (tensor when both dumps hold
+    tensors, md5 when both hold CRCs, else statistics) or one of those. ``jobs`` > 1 reads tensor files in
+    that many processes. ``stack`` attaches every call's stack (for the xlsx); the first divergence's stack
+    is always attached. Unusable input raises :class:`DumpFormatError`.
+
+        >>> result = compare("npu_dump", "gpu_dump")          # doctest: +SKIP
+        >>> result.passed, result.first_divergence.api         # doctest: +SKIP
+        (False, 'Functional.relu.2.forward')
+    """
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    thresholds = thresholds or Thresholds()
+    t_locs, b_locs = discover(target), discover(baseline)
+    pairs, unpaired = _pair_locations(t_locs, b_locs, target, baseline)
+    builder = _Builder(thresholds, mode)
+    for t_loc, b_loc in pairs:
+        t_dump, b_dump = read_dump(t_loc), read_dump(b_loc)
+        builder.add(t_dump, b_dump, align(t_dump.entries, b_dump.entries, fuzzy=fuzzy))
+    builder.run_tensor_tasks(jobs)
+    builder.explain_in_place()
+    rows, apis, feeds = builder.finish()
+    divergence = first_divergence(apis, rows, feeds, thresholds.amplification, builder.opaque)
+    stacks: dict[str, tuple[str, ...]] = {}
+    if stack:
+        for t_loc, _ in pairs:
+            for name, frames in read_stack(t_loc.path).items():
+                stacks.setdefault(name, tuple(frames))
+    elif divergence is not None:
+        found = read_stack(pairs[apis[divergence.api_index].pair][0].path).get(divergence.api)
+        if found:
+            stacks[divergence.api] = tuple(found)
+    return CompareResult(
+        target=os.fspath(target),
+        baseline=os.fspath(baseline),
+        mode=builder.mode or "statistics",
+        rows=tuple(rows),
+        apis=tuple(apis),
+        first_divergence=divergence,
+        pairs=tuple(builder.pairs),
+        unpaired=tuple(unpaired),
+        thresholds=thresholds,
+        timestamp=datetime.datetime.now().strftime("%Y%m%d%H%M%S"),
+        stacks=stacks,
+    )
+
+
+def _describe(loc: DumpLocation) -> str:
+    where = []
+    if loc.step is not None:
+        where.append(f"step {loc.step}")
+    if loc.rank is not None:
+        where.append(f"rank {loc.rank}")
+    return f"{', '.join(where) or 'dump'} ({loc.path})"
+
+
+def _pair_locations(
+    t_locs: list[DumpLocation], b_locs: list[DumpLocation], target: Any, baseline: Any
+) -> tuple[list[tuple[DumpLocation, DumpLocation]], list[str]]:
+    if len(t_locs) == 1 and len(b_locs) == 1:
+        return [(t_locs[0], b_locs[0])], []
+    b_by_key = {(loc.step, loc.rank): loc for loc in b_locs}
+    t_keys = {(loc.step, loc.rank) for loc in t_locs}
+    pairs = [(loc, b_by_key[(loc.step, loc.rank)]) for loc in t_locs if (loc.step, loc.rank) in b_by_key]
+    unpaired = [
+        f"target {_describe(loc)}: no baseline" for loc in t_locs if (loc.step, loc.rank) not in b_by_key
+    ]
+    unpaired += [
+        f"baseline {_describe(loc)}: no target" for loc in b_locs if (loc.step, loc.rank) not in t_keys
+    ]
+    if not pairs:
+
+        def keys(locs: list[DumpLocation]) -> str:
+            return ", ".join(f"step {loc.step} rank {loc.rank}" for loc in locs)
+
+        raise DumpFormatError(
+            baseline,
+            f"no step/rank in common with {os.fspath(target)} (target: {keys(t_locs)}; baseline: {keys(b_locs)})",
+        )
+    return pairs, unpaired
+
+
+# --------------------------------------------------------------------------------------------------- build
+@dataclass
+class _Draft:
+    """A row under construction (tensor rows wait for their metrics)."""
+
+    row: str
+    bench_row: str | None
+    api_index: int
+    role: str
+    target: Leaf | None
+    baseline: Leaf | None
+    check: Check | None = None
+    task: tuple[str, str] | None = None  # tensor files to compare
+    skip: bool = False
+    api: str = ""
+
+
+@dataclass
+class _ApiDraft:
+    api: str
+    bench_api: str | None
+    step: int | None
+    rank: int | None
+    pair: int
+    position: float  # execution position within its dump pair
+    direction: str | None
+    row_start: int
+    row_stop: int
+    one_side: bool
+    base: str = ""
+
+
+@dataclass
+class _Builder:
+    thresholds: Thresholds
+    requested_mode: str
+    mode: str | None = None
+    drafts: list[_Draft] = field(default_factory=list)
+    apis: list[_ApiDraft] = field(default_factory=list)
+    pairs: list[DumpPair] = field(default_factory=list)
+    feeds: dict[int, list[int]] = field(default_factory=dict)
+    tasks: list[int] = field(default_factory=list)  # draft indices waiting for tensor metrics
+    opaque: set[int] = field(default_factory=set)  # calls whose inputs are unknown
+
+    def _resolve_mode(self, t: Dump, b: Dump) -> str:
+        if self.requested_mode == "auto":
+            if t.task == "tensor" and b.task == "tensor":
+                mode = "tensor"
+            elif t.has_md5 and b.has_md5:
+                mode = "md5"
+            else:
+                mode = "statistics"
+        else:
+            mode = self.requested_mode
+            for dump in (t, b):
+                if mode == "tensor" and dump.task != "tensor":
+                    raise DumpFormatError(
+                        dump.path, "has no tensor files (task 'statistics'): use statistics mode"
+                    )
+                if mode == "md5" and not dump.has_md5:
+                    raise DumpFormatError(dump.path, "has no md5 (CRC32) values: use statistics mode")
+        if self.mode is not None and mode != self.mode:
+            raise DumpFormatError(
+                t.path, f"is a {mode} dump while earlier steps/ranks were compared as {self.mode}"
+            )
+        self.mode = mode
+        return mode
+
+    def add(self, t: Dump, b: Dump, alignment: Alignment) -> None:
+        mode = self._resolve_mode(t, b)
+        pair = len(self.pairs)
+        step = t.location.step if t.location.step is not None else b.location.step
+        rank = t.location.rank if t.location.rank is not None else b.location.rank
+        self.pairs.append(
+            DumpPair(
+                step,
+                rank,
+                str(t.path),
+                str(b.path),
+                alignment.method,
+                alignment.matched,
+                alignment.target_only,
+                alignment.baseline_only,
+            )
+        )
+        first_api = len(self.apis)
+        for position, (ti, bj) in enumerate(alignment.pairs):
+            te = t.entries[ti] if ti is not None else None
+            be = b.entries[bj] if bj is not None else None
+            self._add_api(te, be, t, b, mode, step, rank, pair, float(position))
+        self._link(first_api)
+
+    def _add_api(
+        self,
+        te: ApiEntry | None,
+        be: ApiEntry | None,
+        t: Dump,
+        b: Dump,
+        mode: str,
+        step: int | None,
+        rank: int | None,
+        pair: int,
+        position: float,
+    ) -> None:
+        main = te or be
+        assert main is not None
+        api_index = len(self.apis)
+        parts = main.parts
+        start = len(self.drafts)
+        if te is None or be is None:
+            for leaf in main.leaves:
+                tl, bl = (leaf, None) if te is not None else (None, leaf)
+                draft = _Draft(leaf.name, None if bl is None else leaf.name, api_index, leaf.role, tl, bl)
+                draft.check = check_unmatched(tl, bl)
+                draft.api = main.name
+                self.drafts.append(draft)
+        else:
+            b_rows = {leaf.suffix: leaf for leaf in be.leaves}
+            seen = set()
+            for leaf in te.leaves:
+                other = b_rows.get(leaf.suffix)
+                seen.add(leaf.suffix)
+                self._add_row(leaf, other, te.name, be.name, api_index, t, b, mode)
+            for leaf in be.leaves:
+                if leaf.suffix not in seen:
+                    self._add_row(None, leaf, te.name, be.name, api_index, t, b, mode)
+        self.apis.append(
+            _ApiDraft(
+                api=main.name,
+                bench_api=be.name if be is not None else None,
+                step=step,
+                rank=rank,
+                pair=pair,
+                position=position,
+                direction=parts.direction,
+                row_start=start,
+                row_stop=len(self.drafts),
+                one_side=te is None or be is None,
+                base=parts.base,
+            )
+        )
+
+    def _add_row(
+        self,
+        tl: Leaf | None,
+        bl: Leaf | None,
+        t_api: str,
+        b_api: str,
+        api_index: int,
+        t: Dump,
+        b: Dump,
+        mode: str,
+    ) -> None:
+        main = tl or bl
+        assert main is not None
+        draft = _Draft(
+            row=tl.name if tl is not None else b_api + main.suffix,
+            bench_row=bl.name if bl is not None else None,
+            api_index=api_index,
+            role=main.role,
+            target=tl,
+            baseline=bl,
+            api=t_api,
+        )
+        self.drafts.append(draft)
+        if tl is None or bl is None:
+            draft.check = check_unmatched(tl, bl)
+            return
+        kinds = check_kinds(tl, bl)
+        if kinds is not None:
+            draft.check = kinds
+            return
+        # the baseline's dtype sets the tolerance: the target must reproduce the baseline to its precision
+        tol, draft.skip = self.thresholds.tolerance(bl.dtype, t_api, draft.row, statistics=True)
+        if mode == "md5":
+            draft.check = finish(check_md5(tl, bl, tol), draft.skip, t_api)
+        elif mode == "tensor" and tl.data_name and bl.data_name and tl.shape == bl.shape:
+            draft.task = (str(tensor_path(t, tl.data_name)), str(tensor_path(b, bl.data_name)))
+            self.tasks.append(len(self.drafts) - 1)
+        else:
+            check = check_statistics(tl, bl, tol)
+            if mode == "tensor" and tl.shape == bl.shape:
+                check = Check(
+                    check.status,
+                    check.error,
+                    check.allowed,
+                    "; ".join(
+                        x for x in (check.reason, "no tensor file on one side: statistics compared") if x
+                    ),
+                    check.stat,
+                )
+            draft.check = finish(check, draft.skip, t_api)
+
+    def _link(self, first_api: int) -> None:
+        """Backward calls read their forward call's tensors; parameters_grad runs with its module's backward."""
+        by_name: dict[str, int] = {}
+        backward_of: dict[str, list[int]] = {}
+        for i in range(first_api, len(self.apis)):
+            api = self.apis[i]
+            by_name.setdefault(api.api, i)
+            if api.direction == "backward" and not is_parameters_grad(api.api):
+                backward_of.setdefault(api.base, []).append(i)
+        backward_end = max(
+            (
+                a.position
+                for a in self.apis[first_api:]
+                if a.direction == "backward" and not is_parameters_grad(a.api)
+            ),
+            default=0.0,
+        )
+        for i in range(first_api, len(self.apis)):
+            api = self.apis[i]
+            if is_parameters_grad(api.api):
+                module = api.base.rsplit(".parameters_grad", 1)[0]
+                calls = backward_of.get(module, [])
+                self.feeds[i] = list(calls)
+                if calls:  # the gradient is complete once the module's last backward call ran
+                    api.position = self.apis[calls[-1]].position + 0.5
+                else:
+                    # no backward record of the module (msprobe loses it behind an in-place ReLU): the gradient
+                    # arrives during backward from calls we cannot see
+                    api.position = backward_end + 0.5
+                    self.opaque.add(i)
+            elif api.direction == "backward":
+                forward = parse_name(api.api).with_direction("forward")
+                if forward in by_name:
+                    self.feeds[i] = [by_name[forward]]
+
+    def run_tensor_tasks(self, jobs: int) -> None:
+        if not self.tasks:
+            return
+        files = [self.drafts[i].task for i in self.tasks]
+        assert all(f is not None for f in files)
+        results = _compute_all([f for f in files if f is not None], jobs)
+        for i, outcome in zip(self.tasks, results):
+            draft = self.drafts[i]
+            if isinstance(outcome, tuple):  # (path, problem) from a worker
+                raise DumpFormatError(outcome[0], outcome[1])
+            assert draft.target is not None and draft.baseline is not None
+            tol, _ = self.thresholds.tolerance(draft.baseline.dtype, draft.api, draft.row)
+            check = check_tensors(draft.target, draft.baseline, outcome, tol, self.thresholds.msprobe_rule)
+            draft.check = finish(check, draft.skip, draft.api)
+
+    def explain_in_place(self) -> None:
+        """Forgive input rows that differ only because one side recorded an in-place op's input after the update.
+
+        msprobe versions disagree on when an in-place module (``nn.ReLU(inplace=True)``) records its input:
+        before the op, or after it, when it already equals the output. When one side's input equals its own
+        output, the other's does not, and the first side's input matches the other side's output, the two
+        recorded the same tensor at different moments; that row is compared with the other side's output.
+        """
+        for api in self.apis:
+            if api.one_side:
+                continue
+            drafts = self.drafts[api.row_start : api.row_stop]
+            outputs = [
+                d for d in drafts if d.role == OUTPUT and d.target is not None and d.baseline is not None
+            ]
+            for d in drafts:
+                check = d.check
+                if d.role == OUTPUT or check is None or check.status not in (ERROR, WARNING):
+                    continue
+                if (
+                    d.target is None
+                    or d.baseline is None
+                    or d.target.kind != TENSOR
+                    or d.baseline.kind != TENSOR
+                ):
+                    continue
+                for out in outputs:
+                    assert out.target is not None and out.baseline is not None
+                    for mine, theirs_in, theirs_out, side in (
+                        (d.target, d.baseline, out.baseline, "target"),
+                        (d.baseline, d.target, out.target, "baseline"),
+                    ):
+                        own_out = out.target if side == "target" else out.baseline
+                        if not (_same_record(mine, own_out) and not _same_record(theirs_in, theirs_out)):
+                            continue
+                        pair = (mine, theirs_out) if side == "target" else (theirs_out, mine)
+                        tol, _ = self.thresholds.tolerance(pair[1].dtype, d.api, d.row, statistics=True)
+                        again = check_statistics(pair[0], pair[1], tol)
+                        if again.status == PASS:
+                            note = (
+                                f"the {side} recorded this input after the in-place update (it equals its output "
+                                f"{own_out.suffix[1:]}); compared with the other side's output instead"
+                            )
+                            d.check = Check(PASS, again.error, again.allowed, note, again.stat)
+                            break
+                    if d.check is not check:
+                        break
+
+    def finish(self) -> tuple[list[RowResult], list[ApiResult], dict[int, list[int]]]:
+        rows = []
+        for d in self.drafts:
+            check = d.check
+            assert check is not None
+            rows.append(
+                RowResult(
+                    row=d.row,
+                    bench_row=d.bench_row,
+                    api_index=d.api_index,
+                    role=d.role,
+                    target=d.target,
+                    baseline=d.baseline,
+                    status=check.status,
+                    error=check.error,
+                    allowed=check.allowed,
+                    reason=check.reason,
+                    stat=check.stat,
+                    tensor=check.tensor,
+                    msprobe_accuracy=check.msprobe_accuracy,
+                )
+            )
+        ranked = sorted(range(len(self.apis)), key=lambda i: (self.apis[i].pair, self.apis[i].position))
+        order = {i: n for n, i in enumerate(ranked)}
+        apis = []
+        for i, a in enumerate(self.apis):
+            summary = summarize_api(rows[a.row_start : a.row_stop], a.row_start, a.one_side)
+            apis.append(
+                ApiResult(
+                    api=a.api,
+                    bench_api=a.bench_api,
+                    step=a.step,
+                    rank=a.rank,
+                    order=order[i],
+                    direction=a.direction,
+                    status=summary.status if not a.one_side else UNMATCHED,
+                    reason=summary.reason,
+                    input_error=summary.input_error,
+                    output_error=summary.output_error,
+                    input_breach=summary.input_breach,
+                    output_breach=summary.output_breach,
+                    row_start=a.row_start,
+                    row_stop=a.row_stop,
+                    worst_row=summary.worst_row,
+                    pair=a.pair,
+                )
+            )
+        return rows, apis, self.feeds
+
+
+def _same_record(x: Leaf, y: Leaf) -> bool:
+    return x.shape == y.shape and x.dtype == y.dtype and x.stats == y.stats and None not in x.stats
+
+
+# ------------------------------------------------------------------------------------------ tensor metrics
+def _metrics_of(files: tuple[str, str]) -> TensorMetrics | tuple[str, str]:
+    try:
+        return tensor_metrics(open_tensor(files[0]), open_tensor(files[1]))
+    except DumpFormatError as exc:
+        return (exc.path, exc.problem)
+
+
+def _metrics_chunk(chunk: Sequence[tuple[str, str]]) -> list[TensorMetrics | tuple[str, str]]:
+    return [_metrics_of(files) for files in chunk]
+
+
+def _compute_all(files: list[tuple[str, str]], jobs: int) -> list[TensorMetrics | tuple[str, str]]:
+    if jobs <= 1 or len(files) < 2:
+        out = []
+        for f in files:
+            result = _metrics_of(f)
+            out.append(result)
+            if isinstance(result, tuple):
+                break  # unusable input: stop at the first bad file
+        return out
+    jobs = min(jobs, len(files))
+    # contiguous chunks: each process reads its own files; results come back in order
+    size = max(1, -(-len(files) // (jobs * 4)))
+    chunks = [files[i : i + size] for i in range(0, len(files), size)]
+    import multiprocessing
+
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    context = multiprocessing.get_context(method)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        results = []
+        for part in pool.map(_metrics_chunk, chunks):
+            results.extend(part)
+    return results

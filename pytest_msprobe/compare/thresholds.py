@@ -1,0 +1,438 @@
+"""Thresholds as data: a dtype table, per-API overrides, and the options that set them.
+
+The compare judges every row by its **scaled error**, a difference measured against the size of the tensor it
+belongs to (see :mod:`pytest_msprobe.compare.metrics`): in statistics mode the largest difference of Max, Min,
+Mean (divided by the tensor's range) and Norm (divided by the larger norm); in tensor mode the larger of
+RelL2Err (EucDist / norm) and ScaledMaxAbsErr (MaxAbsErr / largest magnitude). A row is an **error** above the
+``error`` tolerance of its dtype, a **warning** above ``warning``; absolute differences at or below ``atol``
+never count (they are below what the dtype can hold for values that small).
+
+Default tolerances (the baseline's dtype applies: the target must reproduce the baseline to the baseline's
+precision, so a bfloat16 target against a float32 baseline is held to float32; a dtype difference is also
+reported as a warning):
+
+============== ======== ========== ======== ===========================================================
+dtype          error    warning    atol     why
+============== ======== ========== ======== ===========================================================
+float64        1e-7     1e-9       1e-30    ~1e8 ulps of float64: only real computation changes
+float32        1e-4     1e-5       1e-12    100x the ~1e-6 of cross-device float32 noise (other kernels,
+                                            other summation order); a 1e-3 perturbation of one op's
+                                            output (~6e-4 scaled) is 5x over it
+float16        5e-3     1e-3       1e-7     ~10 half-ulps of float16 (eps 9.8e-4)
+bfloat16       2e-2     8e-3       1e-12    ~5 half-ulps of bfloat16 (eps 7.8e-3)
+float8 (all)   0.25     0.125      1e-5     ~2 half-ulps of float8_e4m3 (eps 0.125)
+complex        as the float of the same width
+int, uint,     0        0          0        exact values (statistics mode: as float32, since the
+bool                                        dumping side computes Mean and Norm in floating point)
+============== ======== ========== ======== ===========================================================
+
+In tensor mode msprobe 8.3.3's accuracy rule also applies (``msprobe_rule``, on by default): a row fails
+when ``(Cosine < 0.99 and MaxAbsErr > 0.001) or Cosine < 0.9 or MaxAbsErr > 1``. Its result is the
+"Accuracy Reached or Not" column; on its own it is too loose to see a 1e-3 perturbation (cosine 1.0).
+
+md5 mode compares the CRC32s: a row whose CRC differs is an error when its statistics differ too, and a
+warning when they are identical (msprobe computes CRCs in a background thread, so in-place ops such as
+batch_norm's running statistics or an in-place ReLU can change a tensor under it).
+
+Overrides: ``rtol``/``warn_rtol``/``atol`` replace the error/warning/atol of every floating dtype (the
+warning level follows at a tenth of the error tolerance unless given); ``dtype_rtol`` sets one dtype;
+API rules (glob patterns on the API or row name, last match wins) set the error tolerance of matching rows
+or skip them (reported, never failing). ``amplification`` (10) is how much larger an API's output error
+must be than its input error for the first divergence to be placed there when errors already flow in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
+from typing import Any
+
+from pytest_msprobe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """When a scaled error is an error or a warning; absolute differences <= ``atol`` never count."""
+
+    error: float
+    warning: float
+    atol: float = 0.0
+
+    def looser(self, other: Tolerance) -> Tolerance:
+        return Tolerance(
+            max(self.error, other.error), max(self.warning, other.warning), max(self.atol, other.atol)
+        )
+
+
+_F64 = Tolerance(1e-7, 1e-9, 1e-30)
+_F32 = Tolerance(1e-4, 1e-5, 1e-12)
+_EXACT = Tolerance(0.0, 0.0, 0.0)
+
+DEFAULT_DTYPE_TOLERANCES: Mapping[str, Tolerance] = {
+    "float64": _F64,
+    "complex128": _F64,
+    "float32": _F32,
+    "complex64": _F32,
+    "float16": Tolerance(5e-3, 1e-3, 1e-7),
+    "bfloat16": Tolerance(2e-2, 8e-3, 1e-12),
+    "float8_e4m3fn": Tolerance(0.25, 0.125, 1e-5),
+    "float8_e5m2": Tolerance(0.25, 0.125, 1e-5),
+    "float8_e4m3fnuz": Tolerance(0.25, 0.125, 1e-5),
+    "float8_e5m2fnuz": Tolerance(0.25, 0.125, 1e-5),
+    **{
+        name: _EXACT
+        for name in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool")
+    },
+}
+
+FLOATING = frozenset(name for name, tol in DEFAULT_DTYPE_TOLERANCES.items() if tol.error > 0)
+
+_ALIASES = {
+    "fp64": "float64",
+    "double": "float64",
+    "f64": "float64",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "cfloat": "complex64",
+    "cdouble": "complex128",
+    "long": "int64",
+    "int": "int32",
+}
+
+
+@functools.lru_cache(maxsize=256)
+def normalize_dtype(dtype: str | None) -> str | None:
+    """``torch.float32`` / ``fp32`` / ``float32`` -> ``float32``; None for no dtype."""
+    if dtype is None:
+        return None
+    name = dtype.strip().lower()
+    for prefix in ("torch.", "numpy.", "np."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return _ALIASES.get(name, name)
+
+
+def is_integral(dtype: str | None) -> bool:
+    name = normalize_dtype(dtype)
+    return name is not None and (name.startswith(("int", "uint")) or name == "bool")
+
+
+@dataclass(frozen=True)
+class ApiRule:
+    """An override for rows whose API name or row name matches ``pattern`` (a glob)."""
+
+    pattern: str
+    error: float | None = None
+    warning: float | None = None
+    atol: float | None = None
+    skip: bool = False
+
+    def matches(self, api: str, row: str) -> bool:
+        return fnmatchcase(api, self.pattern) or fnmatchcase(row, self.pattern)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Everything the verdict depends on. Build with defaults, from options, or from a JSON file."""
+
+    dtypes: Mapping[str, Tolerance] = field(default_factory=lambda: dict(DEFAULT_DTYPE_TOLERANCES))
+    apis: tuple[ApiRule, ...] = ()
+    amplification: float = 10.0
+    msprobe_rule: bool = True
+
+    def for_dtype(self, dtype: str | None) -> Tolerance:
+        name = normalize_dtype(dtype)
+        if name is None:
+            return self.dtypes.get("float32", _F32)
+        return self.dtypes.get(name) or self.dtypes.get("float32", _F32)
+
+    def tolerance(
+        self, dtype: str | None, api: str, row: str, statistics: bool = False
+    ) -> tuple[Tolerance, bool]:
+        """The tolerance of a row whose baseline has ``dtype`` (then API rules), and whether it is skipped.
+
+        The baseline's dtype decides: the target must reproduce the baseline to the baseline's precision
+        (a bfloat16 target against a float32 baseline is held to float32). With ``statistics``, integer and
+        bool tensors get float32's tolerance: the dumping side computes their Mean and Norm in floating point.
+        """
+        tol = self._dtype_tolerance(dtype, statistics)
+        skip = False
+        for rule in self.apis:
+            if rule.matches(api, row):
+                if rule.skip:
+                    skip = True
+                if rule.error is not None:
+                    warning = rule.warning if rule.warning is not None else rule.error / 10
+                    tol = Tolerance(rule.error, warning, tol.atol if rule.atol is None else rule.atol)
+                elif rule.warning is not None or rule.atol is not None:
+                    tol = replace(
+                        tol,
+                        warning=tol.warning if rule.warning is None else rule.warning,
+                        atol=tol.atol if rule.atol is None else rule.atol,
+                    )
+        return tol, skip
+
+    def _dtype_tolerance(self, dtype: str | None, statistics: bool) -> Tolerance:
+        cache = self.__dict__.setdefault("_cache", {})  # per instance; not a field, so not compared
+        key = (dtype, statistics)
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = self.for_dtype("float32" if statistics and is_integral(dtype) else dtype)
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (the same shape :func:`load_thresholds_file` reads)."""
+        return {
+            "dtypes": {
+                k: {"error": v.error, "warning": v.warning, "atol": v.atol} for k, v in self.dtypes.items()
+            },
+            "apis": [
+                {k: v for k, v in vars(rule).items() if v is not None and (k != "skip" or v)}
+                for rule in self.apis
+            ],
+            "amplification": self.amplification,
+            "msprobe_rule": self.msprobe_rule,
+        }
+
+
+def _as_float(value: Any, what: str, where: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {what} must be a number, got {value!r}") from None
+    if math.isnan(number) or number < 0:
+        raise ConfigError(f"{where}: {what} must be >= 0, got {value!r}")
+    return number
+
+
+def thresholds_from_dict(doc: Any, where: str = "thresholds") -> Thresholds:
+    """Thresholds from the JSON form; unknown keys and bad values raise ConfigError naming ``where``."""
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    unknown = set(doc) - {"dtypes", "apis", "amplification", "msprobe_rule"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
+    dtypes = dict(DEFAULT_DTYPE_TOLERANCES)
+    for name, spec in (doc.get("dtypes") or {}).items():
+        key = normalize_dtype(name) or name
+        if not isinstance(spec, dict) or set(spec) - {"error", "warning", "atol"}:
+            raise ConfigError(f"{where}: dtypes.{name} must be an object with error, warning and/or atol")
+        base = dtypes.get(key, _F32)
+        error = _as_float(spec["error"], f"dtypes.{name}.error", where) if "error" in spec else base.error
+        warning = (
+            _as_float(spec["warning"], f"dtypes.{name}.warning", where)
+            if "warning" in spec
+            else (error / 10 if "error" in spec else base.warning)
+        )
+        atol = _as_float(spec["atol"], f"dtypes.{name}.atol", where) if "atol" in spec else base.atol
+        dtypes[key] = Tolerance(error, warning, atol)
+    rules = []
+    for i, spec in enumerate(doc.get("apis") or []):
+        if not isinstance(spec, dict) or not isinstance(spec.get("pattern"), str):
+            raise ConfigError(f"{where}: apis[{i}] must be an object with a 'pattern' string")
+        if set(spec) - {"pattern", "error", "warning", "atol", "skip"}:
+            raise ConfigError(f"{where}: apis[{i}] has unknown key(s) {sorted(set(spec) - {'pattern'})}")
+        rules.append(
+            ApiRule(
+                spec["pattern"],
+                error=_as_float(spec["error"], f"apis[{i}].error", where) if "error" in spec else None,
+                warning=_as_float(spec["warning"], f"apis[{i}].warning", where)
+                if "warning" in spec
+                else None,
+                atol=_as_float(spec["atol"], f"apis[{i}].atol", where) if "atol" in spec else None,
+                skip=bool(spec.get("skip", False)),
+            )
+        )
+    amplification = _as_float(doc.get("amplification", 10.0), "amplification", where)
+    if amplification < 1:
+        raise ConfigError(f"{where}: amplification must be >= 1, got {amplification!r}")
+    msprobe_rule = doc.get("msprobe_rule", True)
+    if not isinstance(msprobe_rule, bool):
+        raise ConfigError(f"{where}: msprobe_rule must be true or false, got {msprobe_rule!r}")
+    return Thresholds(dtypes, tuple(rules), amplification, msprobe_rule)
+
+
+def load_thresholds_file(path: str | os.PathLike[str]) -> Thresholds:
+    where = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read thresholds file ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}: invalid JSON ({exc})") from None
+    return thresholds_from_dict(doc, where)
+
+
+# ------------------------------------------------------------------------------------------------- options
+def _nonnegative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if math.isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _amplification(text: str) -> float:
+    value = _nonnegative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
+
+
+def _pair(text: str) -> tuple[str, float]:
+    key, sep, value = text.rpartition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER, got {text!r}")
+    return key, _nonnegative(value)
+
+
+def _dtype_pair(text: str) -> tuple[str, float]:
+    key, value = _pair(text)
+    name = normalize_dtype(key)
+    if name not in DEFAULT_DTYPE_TOLERANCES:
+        known = ", ".join(sorted(DEFAULT_DTYPE_TOLERANCES))
+        raise argparse.ArgumentTypeError(f"unknown dtype {key!r} in {text!r} (known: {known})")
+    return str(name), value
+
+
+_OPTION_NAMES = (
+    "rtol",
+    "warn_rtol",
+    "atol",
+    "dtype_rtol",
+    "api_rtol",
+    "skip_api",
+    "amplification",
+    "thresholds",
+)
+
+
+def add_threshold_options(addoption: Callable[..., Any], prefix: str = "") -> None:
+    """Declare the threshold options on argparse's ``add_argument`` or pytest's ``group.addoption``.
+
+    ``prefix`` namespaces them (``"msprobe-"`` gives ``--msprobe-rtol``); the destinations are the option
+    names with dashes as underscores, read back by :func:`thresholds_from_options` with the same prefix.
+    """
+    dest = prefix.replace("-", "_")
+    addoption(
+        f"--{prefix}rtol",
+        dest=f"{dest}rtol",
+        type=_nonnegative,
+        default=None,
+        metavar="FLOAT",
+        help="error tolerance (scaled error) for every floating dtype, replacing the dtype table "
+        "(float32 default 1e-4); the warning level follows at a tenth unless set",
+    )
+    addoption(
+        f"--{prefix}warn-rtol",
+        dest=f"{dest}warn_rtol",
+        type=_nonnegative,
+        default=None,
+        metavar="FLOAT",
+        help="warning level (scaled error) for every floating dtype",
+    )
+    addoption(
+        f"--{prefix}atol",
+        dest=f"{dest}atol",
+        type=_nonnegative,
+        default=None,
+        metavar="FLOAT",
+        help="absolute differences at or below this never count (float32 default 1e-12)",
+    )
+    addoption(
+        f"--{prefix}dtype-rtol",
+        dest=f"{dest}dtype_rtol",
+        type=_dtype_pair,
+        action="append",
+        default=None,
+        metavar="DTYPE=FLOAT",
+        help="error tolerance of one dtype, e.g. bfloat16=0.03 (repeatable)",
+    )
+    addoption(
+        f"--{prefix}api-rtol",
+        dest=f"{dest}api_rtol",
+        type=_pair,
+        action="append",
+        default=None,
+        metavar="PATTERN=FLOAT",
+        help="error tolerance of the APIs (or rows) matching a glob, e.g. 'Functional.softmax.*=1e-3' (repeatable)",
+    )
+    addoption(
+        f"--{prefix}skip-api",
+        dest=f"{dest}skip_api",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="report the APIs (or rows) matching a glob but never fail on them (repeatable)",
+    )
+    addoption(
+        f"--{prefix}amplification",
+        dest=f"{dest}amplification",
+        type=_amplification,
+        default=None,
+        metavar="FACTOR",
+        help="when errors already flow in, the first divergence is the first API whose output error is "
+        "FACTOR times its input error (default 10)",
+    )
+    addoption(
+        f"--{prefix}thresholds",
+        dest=f"{dest}thresholds",
+        default=None,
+        metavar="FILE",
+        help="JSON file of thresholds ({'dtypes': {...}, 'apis': [...], 'amplification': ..., "
+        "'msprobe_rule': ...}); the options above override it",
+    )
+    addoption(
+        f"--{prefix}no-msprobe-rule",
+        dest=f"{dest}no_msprobe_rule",
+        action="store_true",
+        default=False,
+        help="tensor mode: do not also apply msprobe 8.3.3's cosine / MaxAbsErr accuracy rule",
+    )
+
+
+def _getter(options: Any) -> Callable[[str], Any]:
+    if hasattr(options, "getoption"):  # a pytest Config
+        return lambda name: options.getoption(name, None)
+    if isinstance(options, Mapping):
+        return lambda name: options.get(name)
+    return lambda name: getattr(options, name, None)
+
+
+def thresholds_from_options(options: Any, prefix: str = "") -> Thresholds:
+    """Thresholds from parsed options (argparse Namespace, pytest Config or a mapping of destinations)."""
+    get = _getter(options)
+    dest = prefix.replace("-", "_")
+    values = {name: get(dest + name) for name in (*_OPTION_NAMES, "no_msprobe_rule")}
+    base = load_thresholds_file(values["thresholds"]) if values["thresholds"] else Thresholds()
+    dtypes = dict(base.dtypes)
+    rtol, warn, atol = values["rtol"], values["warn_rtol"], values["atol"]
+    if rtol is not None or warn is not None or atol is not None:
+        for name in FLOATING:
+            tol = dtypes.get(name, _F32)
+            error = tol.error if rtol is None else rtol
+            warning = warn if warn is not None else (rtol / 10 if rtol is not None else tol.warning)
+            dtypes[name] = Tolerance(error, min(warning, error), tol.atol if atol is None else atol)
+    for name, value in values["dtype_rtol"] or ():
+        tol = dtypes.get(name, _F32)
+        dtypes[name] = Tolerance(value, value / 10, tol.atol)
+    rules = list(base.apis)
+    rules.extend(ApiRule(pattern, error=value) for pattern, value in values["api_rtol"] or ())
+    rules.extend(ApiRule(pattern, skip=True) for pattern in values["skip_api"] or ())
+    amplification = values["amplification"] if values["amplification"] is not None else base.amplification
+    msprobe_rule = base.msprobe_rule and not values["no_msprobe_rule"]
+    return Thresholds(dtypes, tuple(rules), amplification, msprobe_rule)

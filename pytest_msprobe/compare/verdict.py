@@ -1,0 +1,406 @@
+"""Verdicts: of each row (pass / warning / error, with the reason), of each API call, and the first divergence.
+
+A row check returns a :class:`Check`; the thresholds it uses come from :class:`Thresholds` (data, not code).
+
+The **first divergence** is where the error enters, not where it shows. Over all compared API calls in
+execution order (forward, then backward, steps then ranks):
+
+1. *enters*: the earliest call whose outputs breach while its inputs do not. The inputs of a backward call are
+   the gradients flowing in plus the tensors its forward call saw (a backward kernel reads them); a module's
+   ``parameters_grad`` has the inputs of the module's backward.
+2. *grows*: if every breaching call already has breaching inputs (errors flow in everywhere: a later step after
+   an earlier fault moved the weights, a dump that starts mid-run), the earliest call whose output error is at
+   least ``amplification`` (10) times its input error.
+3. *inherited*: otherwise the earliest breaching call; its inputs already differ, so the error entered before
+   this dump.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from pytest_msprobe.compare.load import INPUT, NONE, OUTPUT, PARAMETER, TENSOR, VALUE, Leaf
+from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetrics, stat_metrics
+from pytest_msprobe.compare.result import (
+    ERROR,
+    PASS,
+    SKIPPED,
+    UNMATCHED,
+    WARNING,
+    ApiResult,
+    Divergence,
+    RowResult,
+    worst,
+)
+from pytest_msprobe.compare.thresholds import Tolerance, normalize_dtype
+
+
+@dataclass(frozen=True)
+class Check:
+    """The verdict of one row."""
+
+    status: str
+    error: float | None = None
+    allowed: float | None = None
+    reason: str = ""
+    stat: StatMetrics | None = None
+    tensor: TensorMetrics | None = None
+    msprobe_accuracy: str | None = None
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if math.isinf(x) or math.isnan(x):
+        return str(x)
+    return f"{x:.3g}"
+
+
+def _fmt6(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.6g}"
+
+
+def _shape(leaf: Leaf) -> str:
+    return str(list(leaf.shape or ()))
+
+
+def _escalate(check: Check, status: str, note: str) -> Check:
+    """Raise a check to at least ``status``, adding ``note`` to its reason."""
+    reason = f"{check.reason}; {note}" if check.reason else note
+    return Check(
+        worst([check.status, status]),
+        check.error,
+        check.allowed,
+        reason,
+        check.stat,
+        check.tensor,
+        check.msprobe_accuracy,
+    )
+
+
+def _skip(check: Check, api: str) -> Check:
+    if check.status in (ERROR, WARNING):
+        reason = f"{check.reason} (not failing: {api} matches a skip rule)"
+        return Check(
+            SKIPPED, check.error, check.allowed, reason, check.stat, check.tensor, check.msprobe_accuracy
+        )
+    return check
+
+
+# ---------------------------------------------------------------------------------------------- row checks
+def check_unmatched(target: Leaf | None, baseline: Leaf | None) -> Check:
+    if target is None:
+        return Check(UNMATCHED, reason="only in the baseline: not compared")
+    return Check(UNMATCHED, reason="only in the target: not compared")
+
+
+def check_kinds(target: Leaf, baseline: Leaf) -> Check | None:
+    """Rows that are not two tensors: None, plain values, or a mix. None when both are tensors."""
+    if target.kind == TENSOR and baseline.kind == TENSOR:
+        return None
+    if target.kind == NONE and baseline.kind == NONE:
+        return Check(SKIPPED, reason="None on both sides")
+    if target.kind != baseline.kind:
+        return Check(WARNING, reason=f"target is {_kind(target)}, baseline is {_kind(baseline)}")
+    assert target.kind == VALUE
+    if _same_value(target.value, baseline.value):
+        return Check(PASS, error=0.0)
+    return Check(WARNING, reason=f"argument differs: {target.value!r} vs {baseline.value!r}")
+
+
+def _kind(leaf: Leaf) -> str:
+    if leaf.kind == TENSOR:
+        return f"a {leaf.dtype} tensor"
+    if leaf.kind == NONE:
+        return "None"
+    return f"a {leaf.type} value"
+
+
+def _same_value(x: object, y: object) -> bool:
+    numbers = (int, float)
+    if (isinstance(x, float) or isinstance(y, float)) and isinstance(x, numbers) and isinstance(y, numbers):
+        if math.isnan(x) and math.isnan(y):
+            return True
+        # float arguments (a learning rate, an eps) may carry float noise from how they were computed
+        return math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-12)
+    return x == y
+
+
+def _tensor_notes(check: Check, target: Leaf, baseline: Leaf) -> Check:
+    if normalize_dtype(target.dtype) != normalize_dtype(baseline.dtype):
+        check = _escalate(check, WARNING, f"dtype differs: {target.dtype} vs {baseline.dtype}")
+    if (
+        target.requires_grad is not None
+        and baseline.requires_grad is not None
+        and target.requires_grad != baseline.requires_grad
+    ):
+        check = _escalate(
+            check, WARNING, f"requires_grad differs: {target.requires_grad} vs {baseline.requires_grad}"
+        )
+    return check
+
+
+def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
+    """Two tensors by their Max / Min / Mean / Norm."""
+    if target.shape != baseline.shape:
+        return _tensor_notes(
+            Check(ERROR, math.inf, tol.error, f"shape differs: {_shape(target)} vs {_shape(baseline)}"),
+            target,
+            baseline,
+        )
+    metrics = stat_metrics(target.stats, baseline.stats)
+    if metrics.error is None:
+        return _tensor_notes(
+            Check(SKIPPED, reason="no statistics to compare", stat=metrics), target, baseline
+        )
+    if metrics.nonfinite == "different":
+        bad = [STAT_NAMES[i] for i, s in enumerate(metrics.scaled) if s is not None and math.isinf(s)]
+        check = Check(
+            ERROR,
+            math.inf,
+            tol.error,
+            f"NaN/Inf on one side only ({', '.join(bad)}: {_stats_text(target, bad)} vs {_stats_text(baseline, bad)})",
+            stat=metrics,
+        )
+        return _tensor_notes(check, target, baseline)
+
+    error = 0.0
+    status = PASS
+    worst_i: int | None = None
+    worst_margin = -math.inf
+    for i, (d, s) in enumerate(zip(metrics.diff, metrics.scaled)):
+        if d is None or s is None or abs(d) <= tol.atol:
+            continue
+        limit_error, limit_warning = tol.error, tol.warning
+        error = max(error, s)
+        if s > limit_error:
+            status = worst([status, ERROR])
+        elif s > limit_warning:
+            status = worst([status, WARNING])
+        margin = s / limit_error if limit_error > 0 else (math.inf if s > 0 else 0.0)
+        if margin > worst_margin:
+            worst_margin, worst_i = margin, i
+    reason = ""
+    if status != PASS and worst_i is not None:
+        name = STAT_NAMES[worst_i]
+        scale = "its value" if worst_i == 3 else "the tensor's range"
+        reason = (
+            f"{name} differs by {_fmt(metrics.scaled[worst_i])} of {scale} "
+            f"({_fmt6(baseline.stats[worst_i])} -> {_fmt6(target.stats[worst_i])}; allowed {_fmt(tol.error)})"
+        )
+    check = Check(status, error, tol.error, reason, stat=metrics)
+    if metrics.nonfinite == "same":
+        check = _escalate(check, WARNING, "NaN/Inf in the same statistics on both sides")
+    return _tensor_notes(check, target, baseline)
+
+
+def _stats_text(leaf: Leaf, names: list[str]) -> str:
+    return ", ".join(_fmt(leaf.stats[STAT_NAMES.index(n)]) for n in names)
+
+
+def msprobe_accuracy(metrics: TensorMetrics) -> str | None:
+    """msprobe 8.3.3's "Accuracy Reached or Not" of a tensor row: "Yes", "No", or None when not computed."""
+    if metrics.max_abs_err is None:
+        return None
+    cos, mae = metrics.cosine, metrics.max_abs_err
+    failed = mae > 1 or (cos is not None and ((cos < 0.99 and mae > 0.001) or cos < 0.9))
+    return "No" if failed else "Yes"
+
+
+def check_tensors(
+    target: Leaf, baseline: Leaf, metrics: TensorMetrics, tol: Tolerance, msprobe_rule: bool
+) -> Check:
+    """Two tensors by their values."""
+    accuracy = msprobe_accuracy(metrics)
+    if metrics.note.startswith("shape differs"):
+        return _tensor_notes(
+            Check(ERROR, math.inf, tol.error, metrics.note, tensor=metrics), target, baseline
+        )
+    if metrics.numel == 0:
+        return _tensor_notes(Check(SKIPPED, reason="empty tensor", tensor=metrics), target, baseline)
+    if metrics.nonfinite == "different":
+        check = Check(ERROR, math.inf, tol.error, metrics.note, tensor=metrics, msprobe_accuracy=accuracy)
+        return _tensor_notes(check, target, baseline)
+    error = metrics.error or 0.0
+    if metrics.max_abs_err is not None and metrics.max_abs_err <= tol.atol:
+        error = 0.0
+    status = PASS
+    reasons = []
+    if error > tol.error:
+        status = ERROR
+    elif error > tol.warning:
+        status = WARNING
+    if status != PASS:
+        reasons.append(
+            f"RelL2Err {_fmt(metrics.rel_l2)}, ScaledMaxAbsErr {_fmt(metrics.scaled_max_abs)} "
+            f"(MaxAbsErr {_fmt(metrics.max_abs_err)}; allowed {_fmt(tol.error)})"
+        )
+    if msprobe_rule and accuracy == "No":
+        status = ERROR
+        reasons.append(
+            f"msprobe's accuracy rule fails (Cosine {_fmt(metrics.cosine)}, MaxAbsErr {_fmt(metrics.max_abs_err)})"
+        )
+    check = Check(status, error, tol.error, "; ".join(reasons), tensor=metrics, msprobe_accuracy=accuracy)
+    if metrics.nonfinite == "same":
+        check = _escalate(check, WARNING, "NaN/Inf at the same positions on both sides (set to 0)")
+    return _tensor_notes(check, target, baseline)
+
+
+def check_md5(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
+    """Two tensors by CRC32; the statistics tell a real difference from msprobe's racing CRC."""
+    if target.md5 is None or baseline.md5 is None:
+        return check_statistics(target, baseline, tol)
+    if target.shape != baseline.shape:
+        return check_statistics(target, baseline, tol)
+    if target.md5 == baseline.md5:
+        return _tensor_notes(Check(PASS, 0.0, 0.0), target, baseline)
+    metrics = stat_metrics(target.stats, baseline.stats)
+    if metrics.error is not None and all(d == 0 for d in metrics.diff if d is not None):
+        check = Check(
+            WARNING,
+            0.0,
+            0.0,
+            f"CRC differs ({baseline.md5} -> {target.md5}) but the statistics are identical: msprobe computes "
+            "CRCs in the background, so an in-place op may have changed the tensor meanwhile",
+            stat=metrics,
+        )
+        return _tensor_notes(check, target, baseline)
+    error = metrics.error if metrics.error else math.inf
+    check = Check(ERROR, error, 0.0, f"CRC differs: {baseline.md5} -> {target.md5}", stat=metrics)
+    return _tensor_notes(check, target, baseline)
+
+
+def finish(check: Check, skip: bool, api: str) -> Check:
+    return _skip(check, api) if skip else check
+
+
+# ----------------------------------------------------------------------------------------- API aggregation
+@dataclass(frozen=True)
+class ApiSummary:
+    status: str
+    reason: str
+    input_error: float | None
+    output_error: float | None
+    input_breach: bool
+    output_breach: bool
+    worst_row: int | None
+
+
+def _max(values: list[float]) -> float | None:
+    return max(values) if values else None
+
+
+def summarize_api(rows: Sequence[RowResult], first_index: int, only_one_side: bool) -> ApiSummary:
+    """The verdict of a call from its rows (``first_index`` is the index of ``rows[0]``)."""
+    if only_one_side:
+        side = "baseline" if rows and rows[0].target is None else "target"
+        return ApiSummary(UNMATCHED, f"only in the {side}: not compared", None, None, False, False, None)
+    counted = [r for r in rows if r.status not in (SKIPPED, UNMATCHED) and r.error is not None]
+    inputs = [r for r in counted if r.role in (INPUT, PARAMETER)]
+    outputs = [r for r in counted if r.role == OUTPUT]
+    # both sides made this call: a row only one side has (an extra output, say) is a warning about the call
+    statuses = [WARNING if r.status == UNMATCHED else r.status for r in rows]
+    status = worst(statuses)
+    worst_row: int | None = None
+    reason = ""
+    if status in (ERROR, WARNING):
+        # the reason is about the worst output row where there is one: outputs are what the call produced
+        flagged = [(i, r) for i, r in enumerate(rows) if statuses[i] == status]
+        flagged.sort(key=lambda t: (t[1].role != OUTPUT, -(t[1].error or 0.0)))
+        i, r = flagged[0]
+        worst_row = first_index + i
+        reason = f"{r.row}: {r.reason}"
+    return ApiSummary(
+        status,
+        reason,
+        _max([r.error for r in inputs if r.error is not None]),
+        _max([r.error for r in outputs if r.error is not None]),
+        any(r.status == ERROR for r in rows if r.role in (INPUT, PARAMETER)),
+        any(r.status == ERROR for r in rows if r.role == OUTPUT),
+        worst_row,
+    )
+
+
+# ------------------------------------------------------------------------------------- first divergence
+def _worst_output_row(api: ApiResult, rows: Sequence[RowResult]) -> int:
+    candidates = [i for i in api.rows if rows[i].role == OUTPUT and rows[i].status == ERROR]
+    if not candidates:
+        candidates = [i for i in api.rows if rows[i].status == ERROR] or list(api.rows)
+    return max(candidates, key=lambda i: (rows[i].error or 0.0, -i))
+
+
+def _suffix(api: ApiResult, rows: Sequence[RowResult], i: int) -> str:
+    return rows[i].row[len(api.api) :] if rows[i].row.startswith(api.api) else rows[i].row
+
+
+def first_divergence(
+    apis: Sequence[ApiResult],
+    rows: Sequence[RowResult],
+    feeds: Mapping[int, Sequence[int]],
+    amplification: float,
+    opaque: Collection[int] = (),
+) -> Divergence | None:
+    """Where the error enters (see the module docstring). ``feeds[i]`` are the calls whose tensors call ``i``
+    also reads (a backward call's forward call; a parameters_grad's module backward); the inputs of the
+    calls in ``opaque`` are unknown, so the error cannot be shown to enter there."""
+    compared = [(api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED]
+    compared.sort()
+
+    def effective_inputs(i: int) -> tuple[float | None, bool]:
+        api = apis[i]
+        errors = [api.input_error] if api.input_error is not None else []
+        breach = api.input_breach or i in opaque
+        for j in feeds.get(i, ()):
+            other = apis[j]
+            if other.status == UNMATCHED:
+                continue
+            errors.extend(e for e in (other.input_error, other.output_error) if e is not None)
+            breach = breach or other.input_breach or other.output_breach
+        return (max(errors) if errors else None), breach
+
+    def make(i: int, rule: str, why: str) -> Divergence:
+        api = apis[i]
+        row = _worst_output_row(api, rows)
+        return Divergence(api.api, rows[row].row, api.step, api.rank, why, rule, i, row)
+
+    breaching = [i for _, i in compared if apis[i].output_breach]
+    for i in breaching:
+        in_err, in_breach = effective_inputs(i)
+        if not in_breach:
+            api = apis[i]
+            row = _worst_output_row(api, rows)
+            why = (
+                f"its output differs ({_suffix(api, rows, row)}: {rows[row].reason}) while its inputs match "
+                f"the baseline: the error enters here"
+            )
+            return make(i, "enters", why)
+    for i in breaching:
+        in_err, _ = effective_inputs(i)
+        out_err = apis[i].output_error
+        if in_err and out_err is not None and out_err >= amplification * in_err:
+            ratio = out_err / in_err
+            why = (
+                f"errors already flow into every call; here the output error {_fmt(out_err)} is "
+                f"{'inf' if math.isinf(ratio) else f'{ratio:.0f}'}x the input error {_fmt(in_err)}: "
+                "the error grows here"
+            )
+            return make(i, "grows", why)
+    inherited = breaching or [i for _, i in compared if apis[i].status == ERROR]
+    if not inherited:
+        return None
+    i = inherited[0]
+    api = apis[i]
+    in_rows = [j for j in api.rows if rows[j].role != OUTPUT and rows[j].status == ERROR]
+    if not in_rows:  # (its inputs are unknown)
+        return make(
+            i, "inherited", "its inputs cannot be compared, and no call's error is shown to enter later"
+        )
+    first_in = in_rows[0]
+    why = (
+        f"its inputs already differ ({rows[first_in].row}): the error entered before this dump (an earlier "
+        f"step, the weights or the data), and no later call's output error is {amplification:g}x its input error"
+    )
+    # the row to look at is the input that already differs
+    return Divergence(api.api, rows[first_in].row, api.step, api.rank, why, "inherited", i, first_in)

@@ -1,0 +1,126 @@
+"""The advisor: where to look first, in msprobe's ``Line`` / ``Suspect Nodes`` / ``Expert Advice`` layout.
+
+``Line`` is the spreadsheet row (header = row 1) of the suspect row in the compare_result sheet.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pytest_msprobe.compare.load import OUTPUT
+from pytest_msprobe.compare.result import ERROR, CompareResult, Divergence
+
+# APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
+_NONDETERMINISTIC = re.compile(
+    r"conv|matmul|linear|\bmm\b|bmm|addmm|baddbmm|einsum|nll_loss|cross_entropy|layer_norm|group_norm|"
+    r"batch_norm|lstm|gru|rnn|embedding_bag|scatter|index_add|index_put|softmax|attention|cumsum",
+    re.IGNORECASE,
+)
+_LIBRARY_FRAME = re.compile(r"site-packages|dist-packages|/torch/|/msprobe/|pytest_msprobe", re.IGNORECASE)
+
+
+def _call_site(frames: tuple[str, ...]) -> str | None:
+    """The first stack frame in the user's code (not torch, msprobe or installed packages)."""
+    for frame in frames:
+        if not _LIBRARY_FRAME.search(frame):
+            return " ".join(frame.split())
+    return None
+
+
+def _op_name(api: str) -> str:
+    parts = api.split(".")
+    return parts[1] if len(parts) > 2 else api
+
+
+def advice(result: CompareResult, fd: Divergence) -> str:
+    """What the first divergence means and what to try, in a few sentences."""
+    api = result.apis[fd.api_index]
+    row = result.rows[fd.row_index]
+    backward = api.direction == "backward" or ".parameters_grad" in api.api
+    text: list[str] = []
+    if fd.rule == "enters":
+        if backward:
+            text.append(
+                f"{api.api} turns matching incoming gradients (and matching forward tensors) into different "
+                f"outgoing gradients: its backward computes differently on the target. {row.row}: {row.reason}."
+            )
+            text.append(
+                "Check the backward kernel of this API on the target device (its dtype, a fused or replaced "
+                "implementation, a custom autograd Function) and compare it alone with the baseline's inputs."
+            )
+        else:
+            text.append(
+                f"{api.api} produces a different result from matching inputs: the error enters here. "
+                f"{row.row}: {row.reason}."
+            )
+            text.append(
+                "Check this API on the target device: its kernel, the dtype it computes in (a float16/bfloat16 "
+                "path, TF32 on the baseline GPU), a fused or patched replacement. To confirm, dump with "
+                "task='tensor' and run the API alone on the dumped inputs on both devices."
+            )
+    elif fd.rule == "grows":
+        text.append(f"Errors already flow into every call, but {api.api} amplifies them: {fd.reason}.")
+        text.append(
+            "This API is numerically sensitive (normalisation, softmax, division, exp/log, a large reduction) "
+            "or computes differently on the target; compare it alone on the baseline's dumped inputs. If the "
+            "growth is expected, loosen its threshold with an API rule."
+        )
+    else:
+        inputs = [
+            result.rows[i]
+            for i in api.rows
+            if result.rows[i].role != OUTPUT and result.rows[i].status == ERROR
+        ]
+        which = f"{inputs[0].row}: {inputs[0].reason}" if inputs else "its inputs"
+        text.append(
+            f"The inputs of {api.api} already differ ({which}), and it is the first call that breaches: "
+            "the difference comes from before this dump."
+        )
+        text.append(
+            "Compare an earlier step (dump from the first step on both sides), check that both runs load the same "
+            "weights and optimizer state and read the same data, and seed both with seed_all(seed, mode=True)."
+        )
+    if result.mode == "md5":
+        text.append(
+            "In md5 mode any bit difference counts: expect differences between devices; use statistics."
+        )
+    if _NONDETERMINISTIC.search(_op_name(api.api)):
+        text.append(
+            f"{_op_name(api.api)} can be nondeterministic by nature (parallel reductions): make sure both runs "
+            "called seed_all(seed, mode=True) before concluding."
+        )
+    site = _call_site(result.stacks.get(api.api, ()))
+    if site:
+        text.append(f"Called from: {site}.")
+    return " ".join(text)
+
+
+def advisor_text(result: CompareResult) -> str:
+    """The advisor file's content."""
+    fd = result.first_divergence
+    counts = result.counts()
+    if fd is None:
+        compared = counts["rows"] - counts["unmatched"] - counts["skipped"]
+        note = (
+            f"No API breaches the thresholds: {compared} rows compared, {counts['warning']} warning(s), "
+            f"{counts['unmatched']} row(s) present on one side only (not compared)."
+        )
+        if counts["warning"]:
+            note += " Warnings are rows close to their threshold or with a dtype/requires_grad difference."
+        return f"Line: N/A\nSuspect Nodes: N/A\nExpert Advice: {note}\n"
+    lines = [
+        f"Line: {fd.row_index + 2}",
+        f"Suspect Nodes: {fd.row}",
+        f"Expert Advice: {advice(result, fd)}",
+        "",
+        f"Why this API: {fd.reason}.",
+        f"Step {fd.step if fd.step is not None else 'n/a'}, rank {fd.rank if fd.rank is not None else 'n/a'}; "
+        f"{len(result.failures)} API call(s) breach in total, "
+        f"{counts['apis_warning']} with warnings, {counts['apis_unmatched']} not matched.",
+    ]
+    suspect = result.apis[fd.api_index]
+    later = [a for a in result.failures if a is not suspect][:10]
+    if later:
+        lines.append("Other breaching calls (execution order; most follow from the first):")
+        lines.extend(f"  {a.api} (step {a.step}, rank {a.rank}): {a.reason}" for a in later)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,76 @@
+"""summary.json (the machine-readable verdict) and the short console summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from pytest_msprobe.compare.result import ApiResult, CompareResult
+
+
+def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict[str, Any]:
+    return {"api": api.api, "row": row, "step": api.step, "rank": api.rank, "reason": reason}
+
+
+def summary_dict(result: CompareResult) -> dict[str, Any]:
+    """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "counts"}``."""
+    fd = result.first_divergence
+    failures = []
+    for api in result.failures:
+        row = result.rows[api.worst_row].row if api.worst_row is not None else api.api
+        failures.append(_place(result, api, row, api.reason))
+    return {
+        "passed": result.passed,
+        "first_divergence": None
+        if fd is None
+        else {"api": fd.api, "row": fd.row, "step": fd.step, "rank": fd.rank, "reason": fd.reason},
+        "failures": failures,
+        "counts": result.counts(),
+    }
+
+
+def summary_json(result: CompareResult) -> str:
+    return json.dumps(summary_dict(result), indent=2) + "\n"
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if math.isinf(x) or math.isnan(x):
+        return str(x)
+    return f"{x:.3g}"
+
+
+def console_summary(result: CompareResult, reports: dict[str, str] | None = None, worst: int = 5) -> str:
+    """A few lines for the terminal: headline with counts, the first divergence, the worst rows, the reports."""
+    c = result.counts()
+    steps = sorted({p.step for p in result.pairs if p.step is not None})
+    ranks = sorted({p.rank for p in result.pairs if p.rank is not None})
+    scope = f"{len(result.pairs)} dump pair(s)"
+    if steps:
+        scope += f", step(s) {', '.join(map(str, steps))}"
+    if ranks:
+        scope += f", rank(s) {', '.join(map(str, ranks))}"
+    status = "PASSED" if result.passed else "FAILED"
+    lines = [
+        f"pytest-msprobe compare: {status} ({result.mode} mode, {scope}): {c['rows']} rows: {c['pass']} pass, "
+        f"{c['warning']} warning, {c['error']} error, {c['unmatched']} unmatched, {c['skipped']} skipped; "
+        f"{c['apis_error']} of {c['apis']} API calls breach"
+    ]
+    fd = result.first_divergence
+    if fd is not None:
+        where = f"step {fd.step}, rank {fd.rank}" if fd.step is not None else f"rank {fd.rank}"
+        lines.append(f"first divergence: {fd.api} ({where}), row {fd.row}")
+        lines.append(f"  {fd.reason}")
+    flagged = [r for r in result.rows if r.status == "error" and r.error is not None]
+    flagged.sort(key=lambda r: -(r.error or 0.0) / (r.allowed or 1e-300))
+    if flagged:
+        lines.append("worst rows (scaled error / allowed):")
+        for r in flagged[:worst]:
+            lines.append(f"  {r.row:<60} {_fmt(r.error):>9} / {_fmt(r.allowed)}")
+    for note in result.unpaired:
+        lines.append(f"not compared: {note}")
+    if reports:
+        lines.append("reports: " + ", ".join(reports.values()))
+    return "\n".join(lines)

@@ -1,0 +1,228 @@
+"""Metrics on synthetic arrays: msprobe's definitions (checked against msprobe 26.2.0's own values) and every
+edge case."""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+
+import numpy as np
+import pytest
+from compare_helpers import DATA
+
+from pytest_msprobe.compare.metrics import EPS, StatMetrics, TensorMetrics, stat_metrics, tensor_metrics
+
+f32, f16 = np.float32, np.float16
+NAN, INF = float("nan"), float("inf")
+
+# the arrays behind each line of metrics_edge_cases.txt (msprobe 26.2.0's values on them)
+EDGE_CASES: dict[str, tuple[np.ndarray, np.ndarray]] = {
+    "identical f32": (np.array([1, 2, 3], f32), np.array([1, 2, 3], f32)),
+    "rel err ~1e-3 on 1 of 3": (np.array([1.001, 2, 3], f32), np.array([1, 2, 3], f32)),
+    "both all-zero": (np.zeros(3, f32), np.zeros(3, f32)),
+    "npu all-zero": (np.zeros(4, f32), np.ones(4, f32)),
+    "bench all-zero, npu 1e-6": (np.full(4, 1e-6, f32), np.zeros(4, f32)),
+    "nan at same position": (np.array([1, NAN, 3], f32), np.array([1, NAN, 3], f32)),
+    "nan at different position": (np.array([1, NAN, 3], f32), np.array([NAN, 2, 3], f32)),
+    "inf same pos, other differs": (np.array([1, INF, 2], f32), np.array([1, INF, 3], f32)),
+    "int64": (np.array([1, 2, 3], np.int64), np.array([1, 2, 4], np.int64)),
+    "bool": (np.array([True, False, True]), np.array([True, True, True])),
+    "f16 vs f32": (np.array([1, 2, 3], f16), np.array([1, 2, 3.001], f32)),
+    "shape mismatch": (np.zeros(3, f32), np.zeros(4, f32)),
+    "1 element": (np.array([1], f32), np.array([2], f32)),
+    "0-d": (np.array(1, f32), np.array(2, f32)),
+    "empty": (np.zeros(0, f32), np.zeros(0, f32)),
+    "sign flipped": (np.array([1, 1], f32), np.array([-1, -1], f32)),
+}
+FIELDS = ("cosine", "euc_dist", "max_abs_err", "max_rel_err", "one_thousandth", "five_thousandths")
+# Our definitions differ from msprobe's in one place: a 0-d tensor is one element, so its EucDist and ratios
+# are defined (msprobe leaves them "unsupported").
+DEVIATIONS = {("0-d", "euc_dist"): 1.0, ("0-d", "one_thousandth"): 0.0, ("0-d", "five_thousandths"): 0.0}
+
+
+def msprobe_values() -> dict[str, list[object]]:
+    out = {}
+    for line in (DATA / "metrics_edge_cases.txt").read_text().splitlines():
+        m = re.match(r"^(\S.*?)\s{2,}(\[.*\]) \|", line)
+        if m:
+            out[m.group(1)] = ast.literal_eval(m.group(2))
+    return out
+
+
+def test_every_msprobe_edge_case_is_covered() -> None:
+    assert set(msprobe_values()) == set(EDGE_CASES)
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_CASES))
+def test_metrics_match_msprobe(case: str) -> None:
+    n, b = EDGE_CASES[case]
+    ours = tensor_metrics(n, b)
+    for field, theirs in zip(FIELDS, msprobe_values()[case]):
+        mine = getattr(ours, field)
+        if (case, field) in DEVIATIONS:
+            assert mine == pytest.approx(DEVIATIONS[case, field])
+        elif isinstance(theirs, str):  # 'Nan', 'N/A', 'unsupported', 'shape unmatched': undefined
+            assert mine is None, (case, field, mine)
+        else:
+            assert mine == pytest.approx(theirs, rel=1e-6, abs=1e-12), (case, field)
+
+
+def test_edge_case_notes_and_flags() -> None:
+    assert tensor_metrics(*EDGE_CASES["shape mismatch"]).note == "shape differs: [3] vs [4]"
+    assert tensor_metrics(*EDGE_CASES["empty"]).note == "empty tensor"
+    assert "target is all zero" in tensor_metrics(*EDGE_CASES["npu all-zero"]).note
+    assert "baseline is all zero" in tensor_metrics(*EDGE_CASES["bench all-zero, npu 1e-6"]).note
+    assert tensor_metrics(*EDGE_CASES["nan at same position"]).nonfinite == "same"
+    assert tensor_metrics(*EDGE_CASES["nan at different position"]).nonfinite == "different"
+    assert "at least 2 elements" in tensor_metrics(*EDGE_CASES["0-d"]).note
+
+
+def test_our_scaled_errors() -> None:
+    m = tensor_metrics(np.array([1.001, 2, 3], f32), np.array([1, 2, 3], f32))
+    d = np.float32(1.001) - np.float32(1)
+    assert m.rel_l2 == pytest.approx(d / math.sqrt(1.001**2 + 4 + 9), rel=1e-6)
+    assert m.scaled_max_abs == pytest.approx(d / 3, rel=1e-6)
+    assert m.error == max(m.rel_l2 or 0, m.scaled_max_abs or 0)
+    zeros = tensor_metrics(np.zeros(3, f32), np.zeros(3, f32))
+    assert (zeros.rel_l2, zeros.scaled_max_abs, zeros.error) == (0.0, 0.0, 0.0)
+    one_side = tensor_metrics(np.full(4, 1e-6, f32), np.zeros(4, f32))
+    assert (one_side.rel_l2, one_side.scaled_max_abs) == (1.0, 1.0)  # all of it differs
+
+
+def test_inf_with_other_sign_at_the_same_position_is_a_difference() -> None:
+    m = tensor_metrics(np.array([1, INF], f32), np.array([1, -INF], f32))
+    assert m.nonfinite == "different" and m.cosine is None
+
+
+def test_relative_error_uses_eps_where_the_baseline_is_zero() -> None:
+    m = tensor_metrics(np.array([3e-7, 1], f32), np.array([0, 1], f32))
+    assert m.max_rel_err == pytest.approx(3e-7 / EPS, rel=1e-5)
+
+
+def reference(n: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """msprobe's definitions written plainly in float64."""
+    n64, b64 = n.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    d = n64 - b64
+    rel = np.abs(d) / np.where(b64 == 0, EPS, np.abs(b64))
+    return {
+        "cosine": float(n64 @ b64 / (np.linalg.norm(n64) * np.linalg.norm(b64))),
+        "euc_dist": float(np.linalg.norm(d)),
+        "max_abs_err": float(np.abs(d).max()),
+        "max_rel_err": float(rel.max()),
+        "one_thousandth": float(np.mean(rel < 0.001)),
+        "five_thousandths": float(np.mean(rel < 0.005)),
+    }
+
+
+@pytest.mark.parametrize("block", [7, 1000, 1 << 16])
+def test_blockwise_float32_agrees_with_a_float64_reference(block: int) -> None:
+    rng = np.random.default_rng(5)
+    b = rng.standard_normal(100_003).astype(f32)
+    b[::97] = 0  # exact zeros in the baseline: relative error through eps
+    n = (b * (1 + 1e-3 * rng.standard_normal(b.size))).astype(f32)
+    n[::1001] += 0.01
+    ours = tensor_metrics(n, b, block=block)
+    ref = reference(n, b)
+    for field in FIELDS:
+        assert getattr(ours, field) == pytest.approx(ref[field], rel=2e-6), field
+
+
+def test_cosine_of_tiny_noise_keeps_its_digits() -> None:
+    rng = np.random.default_rng(6)
+    b = rng.standard_normal(1_000_000).astype(f32)
+    n = (b + 1e-3 * rng.standard_normal(b.size)).astype(f32)
+    ref = reference(n, b)
+    ours = tensor_metrics(n, b)
+    assert 1 - (ours.cosine or 0) == pytest.approx(1 - ref["cosine"], rel=1e-3)
+    assert ours.euc_dist == pytest.approx(ref["euc_dist"], rel=1e-6)
+
+
+def test_nan_in_a_later_block_at_different_positions() -> None:
+    n = np.ones(1000, f32)
+    b = np.ones(1000, f32)
+    n[900], b[901] = NAN, NAN
+    m = tensor_metrics(n, b, block=100)
+    assert m.nonfinite == "different" and m.euc_dist is None
+
+
+def test_nan_at_the_same_positions_across_blocks_is_ignored() -> None:
+    n = np.arange(1000, dtype=f32)
+    b = n.copy()
+    n[[5, 500, 999]] = b[[5, 500, 999]] = NAN
+    n[10] += 1
+    m = tensor_metrics(n, b, block=64)
+    assert m.nonfinite == "same"
+    assert m.max_abs_err == 1.0 and m.euc_dist == pytest.approx(1.0)
+
+
+def test_values_whose_squares_overflow_float32() -> None:
+    n = np.array([3e20, -2e20, 1e20], f32)
+    b = np.array([3e20, -2e20, 1.5e20], f32)
+    m = tensor_metrics(n, b)
+    assert m.nonfinite is None
+    assert m.euc_dist == pytest.approx(5e19, rel=1e-6)
+    assert m.rel_l2 == pytest.approx(5e19 / math.sqrt(9e40 + 4e40 + 2.25e40), rel=1e-5)
+
+
+def test_float64_and_int_inputs_are_compared_in_float64() -> None:
+    big = np.array([2**40 + 1, 2**40], np.int64)
+    m = tensor_metrics(big, np.array([2**40, 2**40], np.int64))
+    assert m.max_abs_err == 1.0  # float32 would lose the 1
+    m = tensor_metrics(np.array([1.0, 1 + 1e-12]), np.array([1.0, 1.0]))
+    assert m.max_abs_err == pytest.approx(1e-12, rel=1e-3)
+
+
+def test_complex_values_compare_real_and_imaginary_parts() -> None:
+    n = np.array([1 + 1j, 2 - 1j], np.complex64)
+    m = tensor_metrics(n, np.array([1 + 1j, 2 + 1j], np.complex64))
+    assert m.max_abs_err == 2.0 and m.numel == 4  # values compared: real and imaginary parts
+
+
+def test_tensor_metrics_is_a_frozen_model() -> None:
+    m = TensorMetrics()
+    with pytest.raises(AttributeError):
+        m.cosine = 1.0  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def test_statistics_differences_and_relative_errors() -> None:
+    m = stat_metrics((5.971, -0.00333, 1.1737, 99.4707), (5.973, 0.0, 1.1737, 99.471))
+    assert m.diff[0] == pytest.approx(-0.002)
+    assert m.rel[0] == pytest.approx(0.002 / 5.973)
+    assert m.rel[1] is None  # baseline Min is 0: msprobe's relative error is undefined
+    assert m.scaled[1] == pytest.approx(0.00333 / 5.973)  # scaled by the tensor's range instead
+    assert m.scaled[3] == pytest.approx(0.0003 / 99.471, rel=1e-3)
+    assert m.error == m.scaled[1] and m.worst == 1
+
+
+def test_a_near_zero_mean_is_scaled_by_the_range_not_by_itself() -> None:
+    # the mean of a normalised output: 1.9e-9 vs -3.1e-9 is a 260% "relative error" and means nothing
+    m = stat_metrics((3.49, -3.63, -3.1e-9, 64.0), (3.49, -3.63, 1.9e-9, 64.0))
+    assert m.rel[2] == pytest.approx(5e-9 / 1.9e-9)
+    assert m.scaled[2] == pytest.approx(5e-9 / 3.63)
+    assert m.error is not None and m.error < 1e-8
+
+
+def test_statistics_edge_cases() -> None:
+    zeros = stat_metrics((0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 0.0))
+    assert zeros.error == 0.0 and zeros.rel == (None, None, None, None)
+    missing = stat_metrics((None, None, None, None), (1.0, 0.0, 0.5, 1.0))
+    assert missing.error is None and missing.worst is None
+    same_nan = stat_metrics((NAN, 0.0, NAN, NAN), (NAN, 0.0, NAN, NAN))
+    assert same_nan.nonfinite == "same" and same_nan.error == 0.0
+    same_inf = stat_metrics((INF, -1.0, INF, INF), (INF, -1.0, INF, INF))
+    assert same_inf.nonfinite == "same" and same_inf.error == 0.0
+    one_side = stat_metrics((NAN, 0.0, NAN, NAN), (1.0, 0.0, 0.5, 1.0))
+    assert one_side.nonfinite == "different" and one_side.error == math.inf
+    flipped_inf = stat_metrics((INF, 0.0, 1.0, 1.0), (-INF, 0.0, 1.0, 1.0))
+    assert flipped_inf.nonfinite == "different"
+    inconsistent = stat_metrics((0.0, 0.0, 1e-30, 0.0), (0.0, 0.0, 0.0, 0.0))
+    assert inconsistent.scaled[2] == math.inf  # a mean outside a zero range cannot be scaled
+
+
+def test_stat_metrics_is_a_frozen_model() -> None:
+    m = stat_metrics((1.0, 0.0, 0.5, 1.0), (1.0, 0.0, 0.5, 1.0))
+    assert isinstance(m, StatMetrics)
+    with pytest.raises(AttributeError):
+        m.diff = (0.0,) * 4  # type: ignore[misc]
