@@ -1,13 +1,189 @@
-"""pytest glue: options, marker, fixtures and hooks. Thin by design: the work is done in dump/, compare/, report/."""
+"""pytest glue: options, marker, the ``msprobe`` fixture, and the hooks that turn a compare into a test result.
+
+Thin by design: settings are resolved in :mod:`.settings`, a test's run lives in :mod:`.runner`, reports are
+written by :mod:`.report`. Without ``--msprobe-baseline`` (or ini ``msprobe_baseline``) the plugin stays out of
+the way: msprobe tests run their training steps without dumping or comparing.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
 import pytest
+
+from pytest_msprobe.errors import MsprobeError
+from pytest_msprobe.settings import INI_KEYS, SessionSettings, resolve_session, resolve_test
+
+SESSION_KEY = pytest.StashKey[SessionSettings]()
+RUN_KEY = pytest.StashKey[Any]()  # the item's MsprobeRun
+OUTCOME_KEY = pytest.StashKey[Any]()  # the item's runner.Outcome
+_LIST_INI = {"msprobe_dtype_rtol", "msprobe_api_rtol", "msprobe_skip_api"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    from pytest_msprobe.compare.thresholds import add_threshold_options
+
+    group = parser.getgroup("msprobe", "precision regression testing against msprobe-format baselines")
+    group.addoption(
+        "--msprobe-baseline",
+        dest="msprobe_baseline",
+        metavar="DIR",
+        help="folder of per-test baseline dumps; turns on dumping and comparing (ini: msprobe_baseline)",
+    )
+    group.addoption(
+        "--msprobe-regen-baseline",
+        dest="msprobe_regen_baseline",
+        action="store_true",
+        default=False,
+        help="write each msprobe test's dump as its baseline instead of comparing (ini: msprobe_regen_baseline)",
+    )
+    group.addoption(
+        "--msprobe-output",
+        dest="msprobe_output",
+        metavar="DIR",
+        help="folder for this run's dumps and reports (default: msprobe-output; ini: msprobe_output)",
+    )
+    group.addoption(
+        "--msprobe-device",
+        dest="msprobe_device",
+        metavar="DEVICE",
+        help="auto, cpu, cuda or npu; auto picks npu, then cuda, then cpu (ini: msprobe_device)",
+    )
+    add_threshold_options(group.addoption, prefix="msprobe-")
+    for key, text in INI_KEYS.items():
+        parser.addini(key, text, type="linelist" if key in _LIST_INI else "string")
+
+
+def _ini_dir(config: pytest.Config) -> Path:
+    return config.inipath.parent if config.inipath is not None else config.rootpath
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "msprobe(task, level, steps, seed, ...): run this test's training steps with msprobe dumping and "
-        "compare them against the test's baseline.",
+        "msprobe(task='statistics', level='L1', steps=[0, 1], seed=1234, rtol=..., api_rtol={...}, ...): "
+        "dump this test's training steps and compare them with the test's baseline (see the msprobe fixture)",
     )
+    try:
+        config.stash[SESSION_KEY] = resolve_session(
+            lambda name: config.getoption(name, None),
+            config.getini,
+            Path(config.invocation_params.dir),
+            _ini_dir(config),
+        )
+    except MsprobeError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.pluginmanager.register(_Summary(config.stash[SESSION_KEY]), "msprobe-summary")
+
+
+@pytest.fixture
+def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
+    """Seeded device and debugger for a training test, compared with its baseline after the test body.
+
+    Example::
+
+        @pytest.mark.msprobe(task="statistics", level="L1", steps=[0, 1])
+        def test_training(msprobe):
+            model = Net().to(msprobe.device)            # initialised after seed_all(seed, mode=True)
+            for x, y in batches:
+                with msprobe.step(model):               # dumps the chosen steps
+                    train_one_step(model, x, y)
+
+    Run with ``--msprobe-baseline=DIR`` to compare (``--msprobe-regen-baseline`` writes the baselines).
+    """
+    from pytest_msprobe.device import select_device
+    from pytest_msprobe.runner import MsprobeRun
+
+    config = request.config
+    marker = request.node.get_closest_marker("msprobe")
+    try:
+        if marker is not None and marker.args:
+            raise MsprobeError(f"@pytest.mark.msprobe takes keywords only, got {marker.args!r}")
+        settings = resolve_test(
+            lambda name: config.getoption(name, None),
+            marker.kwargs if marker is not None else {},
+            config.getini,
+            _ini_dir(config),
+            request.node.nodeid,
+        )
+        session = config.stash[SESSION_KEY]
+        run = MsprobeRun(request.node.nodeid, session, settings, select_device(session.device))
+    except MsprobeError as exc:
+        pytest.fail(f"msprobe: {exc}", pytrace=False)
+    request.node.stash[RUN_KEY] = run
+    yield run
+    run.debugger.close()  # a test body that raised leaves no hooks behind
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    result = yield  # a failing test body raises here: nothing to compare
+    run = item.stash.get(RUN_KEY, None)
+    if run is None:
+        return result
+    from pytest_msprobe.runner import FAILED, MISSING
+
+    try:
+        outcome = run.finish()
+    except MsprobeError as exc:
+        pytest.fail(f"msprobe: {exc}", pytrace=False)
+    item.stash[OUTCOME_KEY] = outcome
+    if outcome.kind in (FAILED, MISSING):
+        pytest.fail(outcome.message, pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    report = yield
+    outcome = item.stash.get(OUTCOME_KEY, None) if call.when == "call" else None
+    if outcome is None:
+        return report
+    from pytest_msprobe.report.html import html_fragment
+
+    result = outcome.result
+    fd = result.first_divergence if result is not None else None
+    report.user_properties.append(("msprobe_verdict", outcome.kind))
+    report.user_properties.append(("msprobe_first_divergence", fd.api if fd is not None else ""))
+    if outcome.baseline is not None:
+        report.user_properties.append(("msprobe_baseline", str(outcome.baseline)))
+    if result is not None and item.config.pluginmanager.hasplugin("html"):
+        import pytest_html
+
+        from pytest_msprobe.report.advisor import advisor_text
+
+        extras = getattr(report, "extras", [])
+        extras.append(pytest_html.extras.html(html_fragment(result, outcome.reports, advisor_text(result))))
+        report.extras = extras
+    return report
+
+
+class _Summary:
+    """Collects msprobe verdicts from test reports (on the xdist controller too) for the terminal summary."""
+
+    def __init__(self, session: SessionSettings) -> None:
+        self.session = session
+        self.lines: list[tuple[str, str, str]] = []  # (nodeid, verdict, detail)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        props = dict(report.user_properties)
+        if report.when == "call" and "msprobe_verdict" in props:
+            detail = props.get("msprobe_first_divergence") or props.get("msprobe_baseline", "")
+            self.lines.append((report.nodeid, str(props["msprobe_verdict"]), str(detail)))
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.lines and not self.session.active:
+            return
+        tr = terminalreporter
+        tr.section("msprobe")
+        if not self.session.active:
+            tr.write_line("no --msprobe-baseline: msprobe tests ran their training steps without comparing")
+            return
+        for nodeid, verdict, detail in self.lines:
+            note = f"first divergence {detail}" if verdict == "failed" and detail else detail
+            tr.write_line(f"{verdict.upper():<12} {nodeid}" + (f"  ({note})" if note else ""))
+        if self.session.regen:
+            written = sum(1 for _, verdict, _ in self.lines if verdict == "regenerated")
+            tr.write_line(f"{written} baseline(s) written to {self.session.baseline}")

@@ -309,6 +309,43 @@ def _dtype_pair(text: str) -> tuple[str, float]:
     return str(name), value
 
 
+_SCALAR_PARSERS: dict[str, Callable[[str], Any]] = {
+    "rtol": _nonnegative,
+    "warn_rtol": _nonnegative,
+    "atol": _nonnegative,
+    "amplification": _amplification,
+    "thresholds": str,
+}
+_LIST_PARSERS: dict[str, Callable[[str], Any]] = {"dtype_rtol": _dtype_pair, "api_rtol": _pair, "skip_api": str}
+
+
+def parse_threshold_value(name: str, value: Any, where: str) -> Any:
+    """Parse a threshold setting given as text or as a Python value (an ini line, a marker keyword).
+
+    ``name`` is an option destination without prefix (``rtol``, ``dtype_rtol``...). List options take a list
+    of ``NAME=NUMBER`` strings or, for the two ``*_rtol`` ones, a mapping ``{NAME: NUMBER}``. The result has
+    the shape argparse would give; a bad value raises ConfigError naming ``where`` and quoting the value.
+    """
+    try:
+        if name in _SCALAR_PARSERS:
+            if isinstance(value, bool) or not isinstance(value, (str, int, float, os.PathLike)):
+                raise argparse.ArgumentTypeError(f"expected a number or text, got {value!r}")
+            return _SCALAR_PARSERS[name](os.fspath(value) if isinstance(value, os.PathLike) else str(value))
+        if name in _LIST_PARSERS:
+            if isinstance(value, Mapping) and name != "skip_api":
+                items = [f"{k}={v}" for k, v in value.items()]
+            elif isinstance(value, str):
+                items = [line.strip() for line in value.splitlines() if line.strip()]
+            elif isinstance(value, (list, tuple)):
+                items = [str(v) for v in value]
+            else:
+                raise argparse.ArgumentTypeError(f"expected a list, got {value!r}")
+            return [_LIST_PARSERS[name](item) for item in items]
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    raise ConfigError(f"{where}: unknown threshold setting {name!r}")
+
+
 _OPTION_NAMES = (
     "rtol",
     "warn_rtol",

@@ -1,0 +1,77 @@
+"""The failure message of a breaching msprobe test: one shape, every time.
+
+headline with counts
+the first divergence and why
+the worst rows: row, metric, value, allowed
+where the reports are
+how to regenerate the baseline
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pytest_msprobe.compare.metrics import STAT_NAMES
+from pytest_msprobe.compare.result import ERROR, CompareResult, RowResult
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    return f"{x:.3g}"
+
+
+def row_metric(row: RowResult) -> str:
+    """Which metric judged the row: the worst statistic in statistics mode, the scaled error otherwise."""
+    if row.stat is not None and row.stat.worst is not None:
+        return f"{STAT_NAMES[row.stat.worst]} (scaled)"
+    if row.tensor is not None:
+        t = row.tensor
+        if t.rel_l2 is not None and t.scaled_max_abs is not None:
+            return "RelL2Err" if t.rel_l2 >= t.scaled_max_abs else "ScaledMaxAbsErr"
+        return "tensor"
+    if row.target is not None and row.target.md5 is not None:
+        return "md5"
+    return "value"
+
+
+def worst_rows(result: CompareResult, limit: int = 5) -> list[RowResult]:
+    """The error rows furthest over their tolerance, the first divergence's row first."""
+    flagged = [r for r in result.rows if r.status == ERROR]
+    flagged.sort(key=lambda r: -((r.error or 0.0) / (r.allowed or 1e-300)) if r.error is not None else 0.0)
+    fd = result.first_divergence
+    if fd is not None:
+        first = result.rows[fd.row_index]
+        flagged = [first, *(r for r in flagged if r is not first)]
+    return flagged[:limit]
+
+
+def failure_message(
+    result: CompareResult, reports: dict[str, str], baseline: Path, regen_command: str
+) -> str:
+    c = result.counts()
+    steps = sorted({p.step for p in result.pairs if p.step is not None})
+    lines = [
+        f"msprobe: {c['apis_error']} of {c['apis']} API calls breach the thresholds "
+        f"({c['error']} error rows, {c['warning']} warnings, {c['unmatched']} unmatched; {result.mode} mode"
+        + (f", steps {', '.join(map(str, steps))})" if steps else ")")
+    ]
+    fd = result.first_divergence
+    if fd is not None:
+        lines.append(f"first divergence: {fd.api} (step {fd.step}, rank {fd.rank}), row {fd.row}")
+        lines.append(f"  {fd.reason}")
+    rows = worst_rows(result)
+    if rows:
+        width = max(len(r.row) for r in rows)
+        lines.append("worst rows:")
+        lines.append(f"  {'row':<{width}}  {'metric':<16} {'value':>9}  {'allowed':>9}")
+        for r in rows:
+            lines.append(f"  {r.row:<{width}}  {row_metric(r):<16} {_num(r.error):>9}  {_num(r.allowed):>9}")
+    lines.append(f"baseline: {baseline}")
+    if reports:
+        lines.append("reports: " + ", ".join(reports.values()))
+    lines.append(f"if the new numbers are right, regenerate the baseline: {regen_command}")
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""The HTML view of a compare for pytest-html: advisor text, the failing rows, a plot, links to the files.
+
+The plot shows, for every API call in execution order, how far its worst row is from its threshold (error /
+allowed, log scale; 1 is the threshold), forward and backward calls in two colours, with the first divergence
+marked: where the error enters is the first point above the line whose inputs were still below it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from pathlib import Path
+
+from pytest_msprobe.compare.result import ERROR, CompareResult
+from pytest_msprobe.report.failure import row_metric, worst_rows
+
+_FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)
+
+
+def api_ratios(result: CompareResult) -> list[float | None]:
+    """Per API call (``result.apis`` order): the largest error/allowed of its rows, None when none was measured."""
+    ratios: list[float | None] = []
+    for api in result.apis:
+        best: float | None = None
+        for i in api.rows:
+            row = result.rows[i]
+            if row.error is None or row.allowed is None or math.isnan(row.error):
+                continue
+            ratio = (
+                math.inf
+                if row.allowed == 0 and row.error > 0
+                else row.error / row.allowed
+                if row.allowed
+                else 0.0
+            )
+            best = ratio if best is None else max(best, ratio)
+        ratios.append(best)
+    return ratios
+
+
+def error_plot_png(result: CompareResult) -> bytes | None:
+    """A PNG of each API's error/allowed along execution order, or None without matplotlib or data."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    ratios = api_ratios(result)
+    order = sorted(range(len(result.apis)), key=lambda i: result.apis[i].order)
+    points = [(pos, i, ratios[i]) for pos, i in enumerate(order) if ratios[i] is not None]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 3.6), dpi=100)
+    try:
+        for direction, colour, label in (
+            ("forward", "#1f77b4", "forward"),
+            ("backward", "#ff7f0e", "backward"),
+        ):
+            xs = [p for p, i, _ in points if (result.apis[i].direction or "forward") == direction]
+            ys = [
+                max(min(r or 0.0, 1e12), _FLOOR)
+                for p, i, r in points
+                if (result.apis[i].direction or "forward") == direction
+            ]
+            if xs:
+                ax.scatter(xs, ys, s=9, c=colour, label=label, zorder=3)
+        ax.axhline(1.0, color="#d62728", linewidth=1, linestyle="--", label="threshold")
+        fd = result.first_divergence
+        if fd is not None:
+            pos = order.index(fd.api_index)
+            ax.axvline(pos, color="#d62728", linewidth=1.2)
+            ax.annotate(
+                f"first divergence\n{fd.api}",
+                xy=(pos, 1.0),
+                xytext=(8, 18),
+                textcoords="offset points",
+                fontsize=8,
+                color="#d62728",
+            )
+        ax.set_yscale("log")
+        ax.set_xlabel("API call, execution order (forward, backward; steps, ranks)")
+        ax.set_ylabel("error / allowed")
+        ax.set_title(f"{result.mode} compare: {'passed' if result.passed else 'FAILED'}", fontsize=10)
+        ax.legend(loc="upper left", fontsize=8, frameon=False)
+        ax.grid(True, which="major", axis="y", alpha=0.3)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def _link(label: str, path: str) -> str:
+    return f'<a href="{html.escape(Path(path).resolve().as_uri())}">{html.escape(label)}</a>'
+
+
+def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, max_rows: int = 20) -> str:
+    """The block pytest-html shows under an msprobe test: verdict, advisor, failing rows, plot, links."""
+    c = result.counts()
+    parts = ['<div class="msprobe">']
+    verdict = "passed" if result.passed else "FAILED"
+    parts.append(
+        f"<p><b>msprobe {html.escape(result.mode)} compare {verdict}</b>: {c['apis_error']} of {c['apis']} API "
+        f"calls breach; {c['rows']} rows ({c['error']} error, {c['warning']} warning, {c['unmatched']} unmatched)</p>"
+    )
+    fd = result.first_divergence
+    if fd is not None:
+        parts.append(
+            f'<p>First divergence: <b class="msprobe-first-divergence">{html.escape(fd.api)}</b> '
+            f"(step {fd.step}, rank {fd.rank}), row <code>{html.escape(fd.row)}</code>: {html.escape(fd.reason)}</p>"
+        )
+    parts.append(f'<pre class="msprobe-advisor" style="white-space: pre-wrap">{html.escape(advisor)}</pre>')
+    failing = [r for r in worst_rows(result, limit=max_rows) if r.status == ERROR]
+    if failing:
+        parts.append(
+            '<table class="msprobe-rows" border="1" cellpadding="3" style="border-collapse: collapse">'
+        )
+        parts.append("<tr><th>row</th><th>metric</th><th>value</th><th>allowed</th><th>reason</th></tr>")
+        for r in failing:
+            value = "n/a" if r.error is None else f"{r.error:.3g}"
+            allowed = "n/a" if r.allowed is None else f"{r.allowed:.3g}"
+            parts.append(
+                f"<tr><td><code>{html.escape(r.row)}</code></td><td>{html.escape(row_metric(r))}</td>"
+                f"<td>{value}</td><td>{allowed}</td><td>{html.escape(r.reason)}</td></tr>"
+            )
+        parts.append("</table>")
+    png = error_plot_png(result)
+    if png is not None:
+        data = base64.b64encode(png).decode("ascii")
+        parts.append(
+            f'<img class="msprobe-plot" alt="error per API call" src="data:image/png;base64,{data}"/>'
+        )
+    if reports:
+        labels = {"xlsx": "compare result (xlsx)", "advisor": "advisor", "summary": "summary.json"}
+        links = " | ".join(_link(labels.get(k, k), v) for k, v in reports.items())
+        parts.append(f"<p>Reports: {links}</p>")
+    parts.append("</div>")
+    return "\n".join(parts)

@@ -1,0 +1,183 @@
+"""One msprobe test's run: seed, device, debugger, then regenerate the baseline or compare against it.
+
+This is what the ``msprobe`` fixture hands a test, and what the plugin finishes after the test body. It holds
+no pytest state: :meth:`MsprobeRun.finish` returns an :class:`Outcome` that the plugin turns into a pass, a
+failure or an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import platform
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_msprobe import __version__
+from pytest_msprobe.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root
+from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.settings import SessionSettings, TestSettings
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from pytest_msprobe.compare.result import CompareResult
+
+# outcome kinds
+INACTIVE, REGENERATED, PASSED, FAILED, MISSING = "inactive", "regenerated", "passed", "failed", "missing"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What finishing a run found."""
+
+    kind: str
+    message: str = ""
+    baseline: Path | None = None
+    result: CompareResult | None = None
+    reports: dict[str, str] = field(default_factory=dict)
+
+
+class _NoDump:
+    """The debugger of a run that compares nothing (no --msprobe-baseline): the training steps just run."""
+
+    def start(self, model: Any = None) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MsprobeRun:
+    """The ``msprobe`` fixture's value: the device to train on and the debugger that dumps the chosen steps.
+
+    In a test, wrap each training step (forward, loss, backward, optimizer step)::
+
+        for images, target in batches:
+            with msprobe.step(model):           # or msprobe.debugger.start() / stop() / step()
+                train_one_step(...)
+
+    The seed is set (``seed_all(seed, mode=True)``) before the test body runs, so model initialisation is the
+    same on every device.
+    """
+
+    def __init__(
+        self, nodeid: str, session: SessionSettings, test: TestSettings, device: torch.device
+    ) -> None:
+        from pytest_msprobe.dump.determinism import seed_all
+
+        self.nodeid = nodeid
+        self.session = session
+        self.settings = test
+        self.device = device
+        self.seed = test.seed
+        self.steps = test.steps
+        folder = baseline_folder(nodeid)
+        self.output_dir = session.output / folder
+        self.dump_dir = self.output_dir / "dump"
+        self.report_dir = self.output_dir / "compare"
+        self.store = BaselineStore(session.baseline) if session.baseline is not None else None
+        self.baseline_dir = self.store.path_for(nodeid) if self.store is not None else None
+        self.debugger: Any
+        if session.active:
+            from pytest_msprobe import PrecisionDebugger
+
+            # a rerun of the same test starts from an empty dump folder
+            shutil.rmtree(self.output_dir, ignore_errors=True)
+            task = "statistics" if test.task == "md5" else test.task
+            extra = {"summary_mode": "md5"} if test.task == "md5" else {}
+            self.debugger = PrecisionDebugger(
+                dump_path=str(self.dump_dir), task=task, level=test.level, step=list(test.steps), **extra
+            )
+        else:
+            self.debugger = _NoDump()
+        seed_all(seed=test.seed, mode=True)
+
+    @property
+    def active(self) -> bool:
+        return self.session.active
+
+    @contextlib.contextmanager
+    def step(self, model: Any = None) -> Iterator[None]:
+        """Dump one training step (when it is one of the chosen steps): start, run the body, stop, advance."""
+        needs_model = self.settings.level in ("L0", "mix")
+        if needs_model and model is None and self.active:
+            raise ConfigError(
+                f"level {self.settings.level} dumps modules: pass the model, msprobe.step(model)"
+            )
+        self.debugger.start(model) if needs_model else self.debugger.start()
+        try:
+            yield
+        finally:
+            self.debugger.stop()
+            self.debugger.step()
+
+    def manifest(self) -> Manifest:
+        import torch
+
+        from pytest_msprobe.device import describe_device
+
+        torch_npu = sys.modules.get("torch_npu")
+        return Manifest(
+            test=self.nodeid,
+            device=describe_device(self.device),
+            torch=torch.__version__,
+            torch_npu=getattr(torch_npu, "__version__", None) if torch_npu is not None else None,
+            plugin=__version__,
+            seed=self.seed,
+            task=self.settings.task,
+            level=self.settings.level,
+            steps=list(self.steps),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            python=platform.python_version(),
+            extra={"thresholds": self.settings.thresholds.to_dict()},
+        )
+
+    def finish(self) -> Outcome:
+        """After the test body: close the debugger, then regenerate the baseline or compare against it."""
+        self.debugger.close()
+        if not self.active or self.store is None or self.baseline_dir is None:
+            return Outcome(INACTIVE)
+        if not is_dump_root(self.dump_dir):
+            raise ConfigError(
+                f"{self.nodeid}: no step was dumped (steps {list(self.steps)}): wrap each training step in "
+                "'with msprobe.step(model):' or call msprobe.debugger.start()/stop()/step() around it"
+            )
+        if self.session.regen:
+            path = self.store.write(self.nodeid, self.dump_dir, self.manifest())
+            return Outcome(REGENERATED, f"baseline written to {path}", baseline=path)
+        if not is_dump_root(self.baseline_dir):
+            return Outcome(
+                MISSING,
+                f"no baseline for this test at {self.baseline_dir}\n"
+                f"create it on the reference device with: {self.regen_command()}",
+                baseline=self.baseline_dir,
+            )
+        from pytest_msprobe.compare import compare
+        from pytest_msprobe.report import write_reports
+        from pytest_msprobe.report.failure import failure_message
+
+        try:
+            result = compare(
+                self.dump_dir, self.baseline_dir, thresholds=self.settings.thresholds, stack=True
+            )
+        except BaselineError:
+            raise
+        reports = write_reports(result, self.report_dir)
+        if result.passed:
+            return Outcome(PASSED, baseline=self.baseline_dir, result=result, reports=reports)
+        message = failure_message(result, reports, self.baseline_dir, self.regen_command())
+        return Outcome(FAILED, message, baseline=self.baseline_dir, result=result, reports=reports)
+
+    def regen_command(self) -> str:
+        return f"pytest '{self.nodeid}' --msprobe-baseline={self.session.baseline} --msprobe-regen-baseline"

@@ -1,0 +1,198 @@
+"""Settings of a pytest-msprobe run, resolved in one place: command line > marker > ini > default.
+
+Session settings (where baselines and outputs live, whether to regenerate, which device) come from the command
+line or the ini file. Per-test settings (task, level, steps, seed, thresholds) come from the test's
+``@pytest.mark.msprobe(...)`` marker, with ini defaults below it and the threshold options of the command line
+above it. Every value is validated here; a bad one raises ConfigError quoting the value and where it was given.
+This module does not import pytest: the plugin hands it getters.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_msprobe.compare.thresholds import Thresholds, parse_threshold_value, thresholds_from_options
+from pytest_msprobe.device import DEVICE_CHOICES
+from pytest_msprobe.errors import ConfigError
+
+TASKS = ("statistics", "tensor", "md5")
+LEVELS = ("L0", "L1", "mix")
+DEFAULT_TASK, DEFAULT_LEVEL, DEFAULT_STEPS, DEFAULT_SEED = "statistics", "L1", (0, 1), 1234
+DEFAULT_OUTPUT = "msprobe-output"
+
+# threshold settings: option destination (without prefix) -> what it is, for ini help texts
+THRESHOLD_SETTINGS = {
+    "rtol": "error tolerance (scaled error) of every floating dtype",
+    "warn_rtol": "warning level (scaled error) of every floating dtype",
+    "atol": "absolute differences at or below this never count",
+    "dtype_rtol": "lines of DTYPE=FLOAT: error tolerance of one dtype",
+    "api_rtol": "lines of GLOB=FLOAT: error tolerance of matching APIs or rows",
+    "skip_api": "lines of GLOB: report matching APIs but never fail on them",
+    "amplification": "output/input error ratio that places the first divergence when errors flow in",
+    "thresholds": "JSON file of thresholds",
+}
+MARKER_KEYS = frozenset({"task", "level", "steps", "seed", "msprobe_rule", *THRESHOLD_SETTINGS})
+
+# ini keys (all strings) -> help; the plugin registers them
+INI_KEYS = {
+    "msprobe_baseline": "folder of baselines; enables the precision comparison (--msprobe-baseline)",
+    "msprobe_regen_baseline": "true: write the baselines instead of comparing (--msprobe-regen-baseline)",
+    "msprobe_output": f"folder for this run's dumps and reports (default: {DEFAULT_OUTPUT})",
+    "msprobe_device": "auto, cpu, cuda or npu (default: auto)",
+    "msprobe_task": f"default task of msprobe tests: {', '.join(TASKS)} (default: {DEFAULT_TASK})",
+    "msprobe_level": f"default level of msprobe tests: {', '.join(LEVELS)} (default: {DEFAULT_LEVEL})",
+    "msprobe_steps": "default dumped steps of msprobe tests, e.g. '0 1' (default: 0 1)",
+    "msprobe_seed": f"default seed of msprobe tests (default: {DEFAULT_SEED})",
+    **{f"msprobe_{name}": text for name, text in THRESHOLD_SETTINGS.items()},
+}
+
+Getter = Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """Settings that hold for the whole pytest session."""
+
+    baseline: Path | None  # None: compare nothing, the plugin stays out of the way
+    regen: bool
+    output: Path
+    device: str
+
+    @property
+    def active(self) -> bool:
+        return self.baseline is not None
+
+
+@dataclass(frozen=True)
+class TestSettings:
+    """Settings of one msprobe test."""
+
+    task: str
+    level: str
+    steps: tuple[int, ...]
+    seed: int
+    thresholds: Thresholds
+
+
+def _truthy(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off", ""}:
+        return False
+    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
+def _path(value: Any, base: Path) -> Path:
+    path = Path(os.path.expanduser(os.fspath(value)))
+    return path if path.is_absolute() else base / path
+
+
+def resolve_session(cli: Getter, ini: Getter, invocation_dir: Path, ini_dir: Path) -> SessionSettings:
+    """Session settings; command-line paths are relative to where pytest was started, ini paths to the ini file."""
+    baseline_cli, baseline_ini = cli("msprobe_baseline"), ini("msprobe_baseline")
+    if baseline_cli:
+        baseline: Path | None = _path(baseline_cli, invocation_dir)
+    elif baseline_ini:
+        baseline = _path(baseline_ini, ini_dir)
+    else:
+        baseline = None
+    regen = bool(cli("msprobe_regen_baseline")) or _truthy(
+        ini("msprobe_regen_baseline") or False, "ini msprobe_regen_baseline"
+    )
+    output_cli, output_ini = cli("msprobe_output"), ini("msprobe_output")
+    output = _path(output_cli, invocation_dir) if output_cli else _path(output_ini or DEFAULT_OUTPUT, ini_dir)
+    device = str(cli("msprobe_device") or ini("msprobe_device") or "auto").strip()
+    if device.partition(":")[0].lower() not in DEVICE_CHOICES:
+        where = "--msprobe-device" if cli("msprobe_device") else "ini msprobe_device"
+        raise ConfigError(f"{where}: unknown device {device!r}, expected one of {', '.join(DEVICE_CHOICES)}")
+    if regen and baseline is None:
+        raise ConfigError("--msprobe-regen-baseline needs --msprobe-baseline=DIR (or ini msprobe_baseline)")
+    return SessionSettings(baseline=baseline, regen=regen, output=output, device=device)
+
+
+def _steps(value: Any, where: str) -> tuple[int, ...]:
+    items: Any = value.replace(",", " ").split() if isinstance(value, str) else value
+    if isinstance(items, int) and not isinstance(items, bool):
+        items = [items]
+    try:
+        steps = tuple(sorted({int(s) for s in items}))
+        if any(isinstance(s, bool) or (isinstance(s, float) and not s.is_integer()) for s in items):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: steps must be non-negative integers, got {value!r}") from None
+    if not steps or steps[0] < 0:
+        raise ConfigError(f"{where}: steps must be non-negative integers, got {value!r}")
+    return steps
+
+
+def _choice(value: Any, choices: tuple[str, ...], what: str, where: str) -> str:
+    if value not in choices:
+        raise ConfigError(f"{where}: {what} must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def _seed(value: Any, where: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        seed = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: seed must be an integer, got {value!r}") from None
+    if not 0 <= seed < 2**32:
+        raise ConfigError(f"{where}: seed must be in [0, 2**32), got {value!r}")
+    return seed
+
+
+def resolve_test(
+    cli: Getter, marker: Mapping[str, Any], ini: Getter, ini_dir: Path, test: str = "this test"
+) -> TestSettings:
+    """Per-test settings from the marker's keywords, with ini defaults below and CLI thresholds above."""
+    unknown = set(marker) - MARKER_KEYS
+    if unknown:
+        raise ConfigError(
+            f"@pytest.mark.msprobe on {test}: unknown keyword(s) {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(sorted(MARKER_KEYS))})"
+        )
+    where_marker = f"@pytest.mark.msprobe on {test}"
+
+    def layered(key: str, ini_key: str) -> tuple[Any, str] | None:
+        if key in marker:
+            return marker[key], f"{where_marker}: {key}"
+        raw = ini(ini_key)
+        if raw not in (None, "", []):
+            return raw, f"ini {ini_key}"
+        return None
+
+    task_v = layered("task", "msprobe_task")
+    level_v = layered("level", "msprobe_level")
+    steps_v = layered("steps", "msprobe_steps")
+    seed_v = layered("seed", "msprobe_seed")
+    task = _choice(task_v[0], TASKS, "task", task_v[1]) if task_v else DEFAULT_TASK
+    level = _choice(level_v[0], LEVELS, "level", level_v[1]) if level_v else DEFAULT_LEVEL
+    steps = _steps(*steps_v) if steps_v else DEFAULT_STEPS
+    seed = _seed(*seed_v) if seed_v else DEFAULT_SEED
+
+    options: dict[str, Any] = {}
+    for name in THRESHOLD_SETTINGS:
+        from_cli = cli(f"msprobe_{name}")
+        if from_cli not in (None, []):
+            options[name] = from_cli
+            continue
+        found = layered(name, f"msprobe_{name}")
+        if found is not None:
+            value, where = found
+            if name == "thresholds" and where.startswith("ini"):
+                value = _path(value, ini_dir)
+            options[name] = parse_threshold_value(name, value, where)
+    if cli("msprobe_no_msprobe_rule"):
+        options["no_msprobe_rule"] = True
+    elif "msprobe_rule" in marker:
+        options["no_msprobe_rule"] = not _truthy(marker["msprobe_rule"], f"{where_marker}: msprobe_rule")
+    return TestSettings(task, level, steps, seed, thresholds_from_options(options))
