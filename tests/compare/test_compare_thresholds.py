@@ -200,15 +200,13 @@ def test_unreadable_thresholds_file(tmp_path: Path) -> None:
 
 
 def test_options_declared_through_pytest(tmp_path: Path) -> None:
-    """What the plugin will do: declare the options on a pytest group, read them from the Config."""
+    """The plugin declares the options on its pytest group; they read back from the Config."""
     import os
     import subprocess
     import sys
 
     (tmp_path / "conftest.py").write_text(
-        "from pytest_msprobe.compare.thresholds import add_threshold_options, thresholds_from_options\n"
-        "def pytest_addoption(parser):\n"
-        "    add_threshold_options(parser.getgroup('msprobe').addoption, 'msprobe-')\n"
+        "from pytest_msprobe.compare.thresholds import thresholds_from_options\n"
         "def pytest_configure(config):\n"
         "    config.thresholds = thresholds_from_options(config, 'msprobe-')\n"
     )
