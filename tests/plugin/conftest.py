@@ -6,6 +6,11 @@ import textwrap
 
 import pytest
 
+# In-process pytester runs restore sys.modules afterwards: anything first imported inside a run is dropped and
+# imported again by the next one. torch cannot be imported twice in one process, so it is imported here, once.
+import torch  # noqa: F401
+import torchvision  # noqa: F401
+
 pytest_plugins = ["pytester"]
 
 # A small CNN trained for two steps: relu (functional and in-place module), batch_norm, conv, linear, SGD.
