@@ -59,26 +59,40 @@ TRAIN_TEST = textwrap.dedent(
     """
 )
 
-# Another plugin, loaded before ours with -p, that makes one F.relu call per forward wrong by a relative `SCALE`.
+# Another plugin, loaded before ours with -p, that makes one F.relu call per forward wrong by a relative
+# FAULT_SCALE: a faulty kernel with its own autograd node, as a broken device kernel would be.
 FAULT_PLUGIN = textwrap.dedent(
     """
     import os
+    import torch
     import torch.nn.functional as F
 
     _orig = F.relu
     _calls = {"n": 0}
 
 
-    def _faulty_relu(input, inplace=False):
-        out = _orig(input, inplace=inplace)
+    class _FaultyRelu(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scale):
+            out = torch.clamp_min(x, 0) * (1.0 + scale)
+            ctx.save_for_backward(out)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            (out,) = ctx.saved_tensors
+            return grad * (out > 0), None
+
+
+    def _relu(input, inplace=False):
         _calls["n"] += 1
-        if _calls["n"] % 2 == 0:  # the second relu of each forward: the functional one after conv2
-            out = out * (1.0 + float(os.environ.get("FAULT_SCALE", "0.01")))
-        return out
+        if _calls["n"] % 2 == 0 and not inplace:  # the functional relu after conv2
+            return _FaultyRelu.apply(input, float(os.environ.get("FAULT_SCALE", "0.01")))
+        return _orig(input, inplace=inplace)
 
 
     def pytest_configure(config):
-        F.relu = _faulty_relu
+        F.relu = _relu
 
 
     def pytest_unconfigure(config):
