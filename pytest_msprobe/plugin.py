@@ -128,8 +128,15 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     try:
         outcome = run.finish()
     except MsprobeError as exc:
+        item.user_properties.append(("msprobe_verdict", "error"))
         pytest.fail(f"msprobe: {exc}", pytrace=False)
     item.stash[OUTCOME_KEY] = outcome
+    # on the item, so that the call and teardown reports (junitxml reads the latter) both carry them
+    fd = outcome.result.first_divergence if outcome.result is not None else None
+    item.user_properties.append(("msprobe_verdict", outcome.kind))
+    item.user_properties.append(("msprobe_first_divergence", fd.api if fd is not None else ""))
+    if outcome.baseline is not None:
+        item.user_properties.append(("msprobe_baseline", str(outcome.baseline)))
     if outcome.kind in (FAILED, MISSING):
         pytest.fail(outcome.message, pytrace=False)
     return result
@@ -139,24 +146,17 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
     report = yield
     outcome = item.stash.get(OUTCOME_KEY, None) if call.when == "call" else None
-    if outcome is None:
+    if outcome is None or outcome.result is None or not item.config.pluginmanager.hasplugin("html"):
         return report
+    import pytest_html
+
+    from pytest_msprobe.report.advisor import advisor_text
     from pytest_msprobe.report.html import html_fragment
 
-    result = outcome.result
-    fd = result.first_divergence if result is not None else None
-    report.user_properties.append(("msprobe_verdict", outcome.kind))
-    report.user_properties.append(("msprobe_first_divergence", fd.api if fd is not None else ""))
-    if outcome.baseline is not None:
-        report.user_properties.append(("msprobe_baseline", str(outcome.baseline)))
-    if result is not None and item.config.pluginmanager.hasplugin("html"):
-        import pytest_html
-
-        from pytest_msprobe.report.advisor import advisor_text
-
-        extras = getattr(report, "extras", [])
-        extras.append(pytest_html.extras.html(html_fragment(result, outcome.reports, advisor_text(result))))
-        report.extras = extras
+    extras = getattr(report, "extras", [])
+    fragment = html_fragment(outcome.result, outcome.reports, advisor_text(outcome.result))
+    extras.append(pytest_html.extras.html(fragment))
+    report.extras = extras
     return report
 
 

@@ -167,12 +167,7 @@ class MsprobeRun:
         from pytest_msprobe.report import write_reports
         from pytest_msprobe.report.failure import failure_message
 
-        try:
-            result = compare(
-                self.dump_dir, self.baseline_dir, thresholds=self.settings.thresholds, stack=True
-            )
-        except BaselineError:
-            raise
+        result = compare(self.dump_dir, self.baseline_dir, thresholds=self.settings.thresholds, stack=True)
         reports = write_reports(result, self.report_dir)
         if result.passed:
             return Outcome(PASSED, baseline=self.baseline_dir, result=result, reports=reports)

@@ -154,7 +154,7 @@ def test_bad_marker_values_name_the_test_and_the_value(
 ) -> None:
     train_test(marker)
     result = pytester.runpytest(*BASE, "--msprobe-baseline=b")
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(errors=1)  # a setup problem of the test, not a precision failure
     result.stdout.fnmatch_lines(["*@pytest.mark.msprobe on test_train.py::test_train*", message])
 
 
