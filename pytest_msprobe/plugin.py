@@ -111,7 +111,11 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
         session = config.stash[SESSION_KEY]
         run = MsprobeRun(request.node.nodeid, session, settings, select_device(session.device))
     except MsprobeError as exc:
-        pytest.fail(f"msprobe: {exc}", pytrace=False)
+        problem = str(exc)
+    else:
+        problem = None
+    if problem is not None:  # failed outside the except block: no chained traceback in the report
+        pytest.fail(f"msprobe: {problem}", pytrace=False)
     request.node.stash[RUN_KEY] = run
     yield run
     run.debugger.close()  # a test body that raised leaves no hooks behind
@@ -128,8 +132,12 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     try:
         outcome = run.finish()
     except MsprobeError as exc:
+        problem = str(exc)
+    else:
+        problem = None
+    if problem is not None:
         item.user_properties.append(("msprobe_verdict", "error"))
-        pytest.fail(f"msprobe: {exc}", pytrace=False)
+        pytest.fail(f"msprobe: {problem}", pytrace=False)
     item.stash[OUTCOME_KEY] = outcome
     # on the item, so that the call and teardown reports (junitxml reads the latter) both carry them
     fd = outcome.result.first_divergence if outcome.result is not None else None

@@ -316,7 +316,11 @@ _SCALAR_PARSERS: dict[str, Callable[[str], Any]] = {
     "amplification": _amplification,
     "thresholds": str,
 }
-_LIST_PARSERS: dict[str, Callable[[str], Any]] = {"dtype_rtol": _dtype_pair, "api_rtol": _pair, "skip_api": str}
+_LIST_PARSERS: dict[str, Callable[[str], Any]] = {
+    "dtype_rtol": _dtype_pair,
+    "api_rtol": _pair,
+    "skip_api": str,
+}
 
 
 def parse_threshold_value(name: str, value: Any, where: str) -> Any:
