@@ -164,7 +164,7 @@ def resolve_test(
 
     def layered(key: str, ini_key: str) -> tuple[Any, str] | None:
         if key in marker:
-            return marker[key], f"{where_marker}: {key}"
+            return marker[key], where_marker
         raw = ini(ini_key)
         if raw not in (None, "", []):
             return raw, f"ini {ini_key}"
@@ -188,8 +188,10 @@ def resolve_test(
         found = layered(name, f"msprobe_{name}")
         if found is not None:
             value, where = found
-            if name == "thresholds" and where.startswith("ini"):
-                value = _path(value, ini_dir)
+            if where.startswith("ini"):
+                value = _path(value, ini_dir) if name == "thresholds" else value
+            else:
+                where = f"{where}: {name}"
             options[name] = parse_threshold_value(name, value, where)
     if cli("msprobe_no_msprobe_rule"):
         options["no_msprobe_rule"] = True
