@@ -1,0 +1,143 @@
+"""The pytest-html report of a failing precision test, opened in a real browser, and runs under pytest-xdist."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import pytest
+
+BASE = ["-p", "no:cacheprovider"]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def _failing_html_report(pytester: pytest.Pytester, train_test, fault_plugin: str) -> Path:
+    train_test()
+    pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--msprobe-regen-baseline").assert_outcomes(passed=1)
+    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    html = pytester.path / "report.html"
+    result = pytester.runpytest(*BASE, "-p", fault_plugin, "--msprobe-baseline=bl", f"--html={html}")
+    result.assert_outcomes(failed=1, errors=0)
+    return html
+
+
+def test_html_report_carries_advisor_table_plot_and_links(
+    pytester: pytest.Pytester, train_test, fault_plugin
+) -> None:
+    html = _failing_html_report(pytester, train_test, fault_plugin)
+    text = html.read_text()
+    # pytest-html 4 stores each test's extras in a JSON blob the page renders: check what it will show
+    assert "Functional.relu.1.forward" in text
+    assert "msprobe-first-divergence" in text and "msprobe-advisor" in text
+    assert "Suspect Nodes: Functional.relu.1.forward.output.0" in text
+    assert "data:image/png;base64," in text
+    assert "compare_result_" in text and ".xlsx" in text
+
+
+def _png_size_and_ink(data: bytes) -> tuple[int, int, float]:
+    """Width, height and the share of pixels that are not near-white, from a PNG (8-bit RGB/RGBA)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width, height, ctype = 8, b"", 0, 0, 0
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, _depth, ctype = struct.unpack(">IIBB", body[:10])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    channels = {2: 3, 6: 4}[ctype]
+    raw = zlib.decompress(idat)
+    stride = width * channels
+    ink = 0
+    prev = bytearray(stride)
+    for y in range(height):
+        f = raw[y * (stride + 1)]
+        line = bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
+        for x in range(stride):  # undo PNG filters
+            a = line[x - channels] if x >= channels else 0
+            b = prev[x]
+            c = prev[x - channels] if x >= channels else 0
+            if f == 1:
+                line[x] = (line[x] + a) & 0xFF
+            elif f == 2:
+                line[x] = (line[x] + b) & 0xFF
+            elif f == 3:
+                line[x] = (line[x] + (a + b) // 2) & 0xFF
+            elif f == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+        ink += sum(1 for x in range(0, stride, channels) if min(line[x : x + 3]) < 200)
+        prev = line
+    return width, height, ink / (width * height)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian package chromium)")
+def test_html_report_renders_in_chromium(
+    pytester: pytest.Pytester, train_test, fault_plugin, tmp_path: Path
+) -> None:
+    html = _failing_html_report(pytester, train_test, fault_plugin)
+    profile = tmp_path / "profile"
+    common = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1280,2000"]
+    # the rendered DOM: pytest-html builds its table with JavaScript; expand every row so extras are in it
+    dom = subprocess.run(
+        [*common, "--virtual-time-budget=5000", "--dump-dom", html.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert 'class="msprobe-first-divergence">Functional.relu.1.forward<' in dom
+    assert "msprobe-plot" in dom and "Suspect Nodes: Functional.relu.1.forward.output.0" in dom
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [*common, "--virtual-time-budget=5000", f"--screenshot={shot}", html.as_uri()],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    width, height, ink = _png_size_and_ink(shot.read_bytes())
+    assert (width, height) == (1280, 2000)
+    assert ink > 0.01, f"the screenshot is blank ({ink:.4f} of pixels drawn)"
+
+
+def test_xdist_regen_and_compare_many_tests(pytester: pytest.Pytester) -> None:
+    from conftest import TRAIN_TEST  # type: ignore[import-not-found]
+
+    body = TRAIN_TEST.replace(
+        "MARKER",
+        '@pytest.mark.parametrize("lr", [0.01, 0.02, 0.03, 0.04])\n@pytest.mark.msprobe(steps=[0, 1])',
+    ).replace(
+        "def test_train(msprobe):\n    train(msprobe)", "def test_train(msprobe, lr):\n    train(msprobe)"
+    )
+    pytester.makepyfile(test_many=body)
+    regen = pytester.runpytest_subprocess(
+        *BASE, "-n", "2", "--msprobe-baseline=bl", "--msprobe-regen-baseline"
+    )
+    regen.assert_outcomes(passed=4)
+    regen.stdout.fnmatch_lines(["*4 baseline(s) written to*"])
+    folders = sorted(
+        p.name for p in (pytester.path / "bl" / "test_many").iterdir() if not p.name.startswith(".")
+    )
+    assert folders == ["test_train[0.01]", "test_train[0.02]", "test_train[0.03]", "test_train[0.04]"]
+    compared = pytester.runpytest_subprocess(*BASE, "-n", "2", "--msprobe-baseline=bl")
+    compared.assert_outcomes(passed=4)
+    assert compared.stdout.str().count("PASSED       test_many.py::test_train[") == 4
+    for folder in folders:
+        reports = pytester.path / "msprobe-output" / "test_many" / folder / "compare"
+        assert (reports / "summary.json").is_file()
+        assert len(list(reports.glob("compare_result_*.xlsx"))) == 1
