@@ -115,6 +115,12 @@ def train_test(pytester: pytest.Pytester):
 
 
 @pytest.fixture
+def train_source() -> str:
+    """The training test module's source, with MARKER where the marker line goes."""
+    return TRAIN_TEST
+
+
+@pytest.fixture
 def fault_plugin(pytester: pytest.Pytester):
     pytester.makepyfile(faultplugin=FAULT_PLUGIN)
     pytester.syspathinsert()

@@ -115,10 +115,8 @@ def test_html_report_renders_in_chromium(
     assert ink > 0.01, f"the screenshot is blank ({ink:.4f} of pixels drawn)"
 
 
-def test_xdist_regen_and_compare_many_tests(pytester: pytest.Pytester) -> None:
-    from conftest import TRAIN_TEST  # type: ignore[import-not-found]
-
-    body = TRAIN_TEST.replace(
+def test_xdist_regen_and_compare_many_tests(pytester: pytest.Pytester, train_source: str) -> None:
+    body = train_source.replace(
         "MARKER",
         '@pytest.mark.parametrize("lr", [0.01, 0.02, 0.03, 0.04])\n@pytest.mark.msprobe(steps=[0, 1])',
     ).replace(
