@@ -13,7 +13,7 @@ dropped in as a test's folder; the manifest is optional.
 Writing is all-or-nothing: the new baseline is assembled in a hidden sibling folder and then swapped in with one
 atomic ``renameat2(RENAME_EXCHANGE)`` where Linux offers it (a rename pair otherwise, with the old folder kept
 until the new one is in place and recovered on the next run if the process died in between). Concurrent writers
-of the same baseline are serialised by a lock file, so two CI jobs cannot interleave files.
+of the same baseline are serialised by a lock on their folder, so two CI jobs cannot interleave files.
 """
 
 from __future__ import annotations
@@ -170,9 +170,9 @@ class BaselineStore:
 
     @contextlib.contextmanager
     def _locked(self, final: Path) -> Iterator[None]:
+        # an flock on the parent folder itself: no lock file is left among the baselines
         final.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = final.parent / f".{final.name}.lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(final.parent, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
