@@ -1,0 +1,869 @@
+"""Capture: API interception (L1), module hooks (L0), backward through autograd hooks.
+
+**APIs.** On start the functions of ``torch.nn.functional``, ``torch``, ``torch.Tensor`` (methods and operators,
+dunder and in-place included), ``torch._VF`` and ``torch_npu`` (when imported) named in :mod:`.api_lists` are
+replaced by thin wrappers; stop puts the exact originals back (a ``Tensor`` dunder inherited from
+``torch._C.TensorBase`` is deleted again rather than re-set). A wrapper costs one global read when no step is
+being recorded, and a thread-local depth counter keeps calls made inside a captured call (or inside the dump's
+own code) from being recorded again.
+
+**API backward.** After a captured call, a hook is put on the autograd node of each distinct output
+(``out.grad_fn.register_hook``): its ``grad_outputs`` are the record's ``backward.input`` (gradients flowing in)
+and its ``grad_inputs`` the record's ``backward.output`` (``null`` where undefined), which is what msprobe writes.
+An output whose node is one an input already had before the call (``x.float()`` on a float tensor,
+``contiguous()`` returning ``self``) gets no backward record: that node belongs to an earlier call.
+
+**Modules (L0).** Forward pre-hooks record the inputs (before the module runs, so in-place modules are seen
+as called), forward hooks the outputs and the module's own parameters. The module's backward record takes the
+gradients of its outputs from hooks on their nodes, and, for each tensor input, the gradient flowing from this
+module into it: the hooks sit on the module's own nodes that consume the input (found by walking the autograd
+graph created during the call). That is the per-call gradient msprobe records through torch's full backward
+hooks, without their identity node, so ``nn.ReLU(inplace=True)`` keeps its backward record. Parameter
+gradients come from ``register_post_accumulate_grad_hook``; their ``parameters_grad`` key is reserved right
+after the module's forward record, as msprobe orders them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import sys
+import threading
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from pytest_msprobe.dump import api_lists
+from pytest_msprobe.dump.config import DumpConfig
+from pytest_msprobe.dump.naming import (
+    BACKWARD,
+    FORWARD,
+    OPTIMIZER_NODE,
+    PREFIXES,
+    CallCounter,
+    backward_of,
+    module_base,
+    params_grad_name,
+    scope_key,
+    selected_by_list,
+)
+from pytest_msprobe.dump.stack import StackTable, capture_stack
+from pytest_msprobe.dump.stats import StatEngine, dtype_name
+
+_Tensor = torch.Tensor
+_AccumulateGrad: Any = torch._C._functions.AccumulateGrad
+_get_sequence_nr: Callable[[], int] = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
+_add = torch._C._VariableFunctions.add
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
+class _Depth(threading.local):
+    """Per-thread nesting depth: > 0 inside a captured call or inside the dump's own code."""
+
+    depth = 0
+
+
+_tls = _Depth()
+# the Recorder of the step being captured, read by every wrapper (None: wrappers call straight through)
+_RECORDER: Recorder | None = None
+
+
+def _set_recorder(recorder: Recorder | None) -> None:
+    global _RECORDER
+    _RECORDER = recorder
+
+
+# -- interception -------------------------------------------------------------------------------------------------
+
+
+def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        recorder = _RECORDER
+        if recorder is None or _tls.depth:
+            return orig(*args, **kwargs)
+        return recorder.api_call(api, orig, args, kwargs)
+
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(wrapper, attr, getattr(orig, attr))
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+@dataclasses.dataclass
+class _Patch:
+    owner: Any
+    attr: str
+    original: Any
+    wrapper: Any
+    owned: bool  # whether ``attr`` was in ``owner.__dict__`` before patching
+
+
+# (id(owner), attr, id(original)) -> wrapper: wrappers are built once per process and reused
+_WRAPPER_CACHE: dict[tuple[int, str, int], Callable[..., Any]] = {}
+
+
+def _namespaces() -> list[tuple[str, Any, tuple[str, ...]]]:
+    spaces: list[tuple[str, Any, tuple[str, ...]]] = [
+        ("functional", torch.nn.functional, api_lists.FUNCTIONAL),
+        ("torch", torch, api_lists.TORCH),
+        ("tensor", torch.Tensor, api_lists.TENSOR),
+        ("vf", torch._VF, api_lists.VF),
+    ]
+    npu = sys.modules.get("torch_npu")
+    if npu is not None and importlib.util.find_spec("torch_npu") is not None:
+        spaces.append(("npu", npu, api_lists.NPU))
+    return spaces
+
+
+def _wrappable(owner: Any, attr: str) -> Any:
+    """The function to wrap at ``owner.attr``, or None when it is missing or not a plain callable."""
+    try:
+        static = inspect.getattr_static(owner, attr)
+    except AttributeError:
+        if type(owner).__name__ == "VFModule":  # torch._VF resolves its names dynamically
+            static = getattr(owner, attr, None)
+        else:
+            return None
+    if static is None or isinstance(static, (staticmethod, classmethod, property, type)):
+        return None
+    value = getattr(owner, attr, None)
+    return value if callable(value) else None
+
+
+class ApiPatcher:
+    """Installs the API wrappers and puts the originals back."""
+
+    def __init__(self) -> None:
+        self._patches: list[_Patch] = []
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._patches)
+
+    def install(self) -> None:
+        if self._patches:
+            return
+        for key, space, names in _namespaces():
+            prefix = PREFIXES[key]
+            for dotted in names:
+                owner = space
+                *parents, attr = dotted.split(".")
+                for part in parents:
+                    owner = getattr(owner, part, None)
+                    if owner is None:
+                        break
+                if owner is None:
+                    continue
+                original = _wrappable(owner, attr)
+                if original is None:
+                    continue
+                cache_key = (id(owner), attr, id(original))
+                wrapper = _WRAPPER_CACHE.get(cache_key)
+                if wrapper is None or wrapper.__wrapped__ is not original:  # type: ignore[attr-defined]
+                    wrapper = _WRAPPER_CACHE[cache_key] = _make_wrapper(original, f"{prefix}.{dotted}")
+                owned = attr in vars(owner)
+                setattr(owner, attr, wrapper)
+                self._patches.append(_Patch(owner, attr, original, wrapper, owned))
+
+    def uninstall(self) -> None:
+        for patch in reversed(self._patches):
+            current = vars(patch.owner).get(patch.attr)
+            if current is not patch.wrapper:
+                continue  # replaced by someone else since: leave their value alone
+            if patch.owned:
+                setattr(patch.owner, patch.attr, patch.original)
+            else:
+                delattr(patch.owner, patch.attr)
+        self._patches.clear()
+
+
+# -- selection ----------------------------------------------------------------------------------------------------
+
+
+class _Selector:
+    """``list``, ``scope`` and ``data_mode`` filters, applied to record names as they are made."""
+
+    def __init__(self, config: DumpConfig) -> None:
+        self.items = config.api_list
+        modes = config.data_mode
+        self.fwd_in = "forward" in modes and "input" in modes
+        self.fwd_out = "forward" in modes and "output" in modes
+        self.bwd_in = "backward" in modes and "input" in modes
+        self.bwd_out = "backward" in modes and "output" in modes
+        self.forward = self.fwd_in or self.fwd_out
+        self.backward = self.bwd_in or self.bwd_out
+        self.scope_start: str | None = None
+        self.scope_end: str | None = None
+        if config.scope:
+            self.scope_start = scope_key(config.scope[0])
+            self.scope_end = scope_key(config.scope[-1])
+        # before, inside or after the scope range
+        self._inside = not config.scope
+        self._done = False
+
+    def enter(self, forward_name: str) -> bool:
+        """Called when a forward record begins: whether it lies in the scope range."""
+        if self._inside:
+            return True
+        if not self._done and scope_key(forward_name) == self.scope_start:
+            self._inside = True
+            return True
+        return False
+
+    def leave(self, forward_name: str) -> None:
+        """Called when a forward record ends: the range closes after its last record."""
+        if self.scope_end is not None and self._inside and scope_key(forward_name) == self.scope_end:
+            self._inside = False
+            self._done = True
+
+    def listed(self, name: str) -> bool:
+        return not self.items or selected_by_list(name, self.items)
+
+
+# -- backward records ---------------------------------------------------------------------------------------------
+
+
+class _ApiBackward:
+    """Backward record of one API call, filled by hooks on the autograd nodes of its outputs."""
+
+    __slots__ = ("dump_in", "dump_out", "name", "parent", "parts", "recorder", "want")
+
+    def __init__(self, recorder: Recorder, name: str, parent: str | None, n_nodes: int) -> None:
+        self.recorder = recorder
+        self.name = name
+        self.parent = parent
+        self.want = n_nodes
+        self.parts: list[tuple[tuple[Any, ...], tuple[Any, ...]] | None] = [None] * n_nodes
+
+    def hook(self, index: int) -> Callable[[Any, Any], None]:
+        def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
+            self.parts[index] = (tuple(grad_outputs), tuple(grad_inputs))
+            self.want -= 1
+            if self.want == 0:
+                self.recorder.emit_api_backward(self)
+
+        return on_node
+
+
+class _ModuleCall:
+    """Forward state of one module call, kept on the module stack until its forward hook."""
+
+    __slots__ = ("entry", "fwd", "input_keys", "parent", "seq", "stack", "wanted_bwd", "wanted_fwd")
+
+    def __init__(self) -> None:
+        self.fwd = ""
+        self.parent: str | None = None
+        self.entry: dict[str, Any] | None = None
+        self.seq = 0
+        # per tensor input that requires grad: (its grad_fn, or the leaf tensor itself; output_nr; position)
+        self.input_keys: list[tuple[Any, int, int]] = []
+        self.stack: Any = None
+        self.wanted_fwd = False
+        self.wanted_bwd = False
+
+
+class _ModuleBackward:
+    """Backward record of one module call: gradients of its outputs in, per-call gradients of its inputs out."""
+
+    __slots__ = ("done", "grads_in", "grads_out", "n_inputs", "name", "parent", "pending", "recorder")
+
+    def __init__(
+        self, recorder: Recorder, name: str, parent: str | None, n_outputs: int, n_inputs: int
+    ) -> None:
+        self.recorder = recorder
+        self.name = name
+        self.parent = parent
+        self.grads_in: list[Any] = [None] * n_outputs  # gradients w.r.t. the module's outputs
+        self.grads_out: list[list[Any]] = [[] for _ in range(n_inputs)]  # contributions per input
+        self.n_inputs = n_inputs
+        self.pending = 0  # node hooks still to fire
+        self.done = False
+
+    def output_hook(self, slots: list[tuple[int, int]]) -> Callable[[Any, Any], None]:
+        def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
+            for position, output_nr in slots:
+                self.grads_in[position] = grad_outputs[output_nr]
+            self._arrived()
+
+        return on_node
+
+    def consumer_hook(self, slots: list[tuple[int, int]]) -> Callable[[Any, Any], None]:
+        def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
+            for edge_index, position in slots:
+                grad = grad_inputs[edge_index]
+                if grad is not None:
+                    self.grads_out[position].append(grad)
+            self._arrived()
+
+        return on_node
+
+    def _arrived(self) -> None:
+        self.pending -= 1
+        if self.pending == 0 and not self.done:
+            self.recorder.emit_module_backward(self)
+
+
+# -- the recorder -------------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """Everything captured in one step: records, stacks, module tree; flushed by the debugger on stop."""
+
+    def __init__(self, config: DumpConfig, engine: StatEngine) -> None:
+        self.config = config
+        self.engine = engine
+        self.data: dict[str, Any] = {}
+        self.construct: dict[str, str | None] = {}
+        self.stacks = StackTable()
+        self.counter = CallCounter()
+        self.select = _Selector(config)
+        self.names = config.save_tensors  # build data_name paths only when tensors are saved
+        self.with_construct = config.modules
+        self.with_api_parents = config.level == "mix"
+        self.module_stack: list[_ModuleCall] = []
+        self.in_optimizer = False
+        self.closed = False
+        self._handles: list[Any] = []
+        self._api_pending: list[_ApiBackward] = []
+        self._module_pending: list[_ModuleBackward] = []
+        self._module_info: dict[int, tuple[str, list[tuple[str, torch.nn.Parameter]]]] = {}
+        self._params_grad_ok: dict[str, bool] = {}
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+
+    def _parent(self) -> str | None:
+        if self.module_stack:
+            return self.module_stack[-1].fwd
+        if self.in_optimizer:
+            return OPTIMIZER_NODE
+        return None
+
+    def analyze(self, value: Any, name: str | None, remember: bool) -> Any:
+        """msprobe's JSON form of one argument / output value (tensors through the StatEngine)."""
+        if isinstance(value, _Tensor):
+            return self.engine.item(value, name + ".pt" if name is not None else None, remember)
+        if value is None:
+            return None
+        tp = type(value)
+        if tp is bool:
+            return {"type": "bool", "value": value}
+        if tp is int or tp is float or tp is str:
+            return {"type": tp.__name__, "value": value}
+        if tp is torch.Size:
+            return {"type": "torch.Size", "value": [int(v) for v in value]}
+        if isinstance(value, (tuple, list)):
+            fields = getattr(value, "_fields", None)
+            if fields is not None and isinstance(value, tuple):
+                return {
+                    f: self.analyze(getattr(value, f), None if name is None else f"{name}.{f}", remember)
+                    for f in fields
+                }
+            if name is None:
+                return [self.analyze(v, None, remember) for v in value]
+            return [self.analyze(v, f"{name}.{i}", remember) for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            return {
+                k: self.analyze(v, None if name is None else f"{name}.{k}", remember)
+                for k, v in value.items()
+            }
+        return _analyze_other(value)
+
+    def _analyze_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], prefix: str | None) -> Any:
+        if prefix is None:
+            return (
+                [self.analyze(a, None, False) for a in args],
+                {k: self.analyze(v, None, False) for k, v in kwargs.items()},
+            )
+        return (
+            [self.analyze(a, f"{prefix}.{i}", False) for i, a in enumerate(args)],
+            {k: self.analyze(v, f"{prefix}.{k}", False) for k, v in kwargs.items()},
+        )
+
+    def _analyze_out(self, output: Any, prefix: str | None) -> list[Any]:
+        # as msprobe: a tuple output is listed item by item, anything else is one item
+        if isinstance(output, tuple) and getattr(output, "_fields", None) is None:
+            if prefix is None:
+                return [self.analyze(v, None, True) for v in output]
+            return [self.analyze(v, f"{prefix}.{i}", True) for i, v in enumerate(output)]
+        return [self.analyze(output, None if prefix is None else f"{prefix}.0", True)]
+
+    # -- APIs ---------------------------------------------------------------------------------------------------
+
+    def api_call(
+        self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        tls = _tls
+        tls.depth += 1
+        try:
+            index = self.counter.next(api)
+            fwd = f"{api}.{index}.{FORWARD}"
+            select = self.select
+            in_scope = select.enter(fwd)
+            want_fwd = in_scope and select.forward and select.listed(fwd)
+            bwd = f"{api}.{index}.{BACKWARD}"
+            want_bwd = in_scope and select.backward and select.listed(bwd)
+            if not (want_fwd or want_bwd):
+                out = orig(*args, **kwargs)
+                select.leave(fwd)
+                return out
+            parent = self._parent() if self.with_api_parents else None
+            entry: dict[str, Any] | None = None
+            if want_fwd:
+                entry = {}
+                if select.fwd_in:
+                    prefix = f"{fwd}.input" if self.names else None
+                    entry["input_args"], entry["input_kwargs"] = self._analyze_args(args, kwargs, prefix)
+                self.stacks.add(fwd, capture_stack(2))
+            before: list[Any] = []
+            if want_bwd and _is_grad_enabled():
+                before = _input_nodes(args, kwargs)
+            out = orig(*args, **kwargs)
+            if entry is not None:
+                if select.fwd_out:
+                    entry["output"] = self._analyze_out(out, f"{fwd}.output" if self.names else None)
+                self.data[fwd] = entry
+                if self.with_api_parents:
+                    self.construct[fwd] = parent
+            if want_bwd and _is_grad_enabled():
+                self._hook_api_backward(bwd, parent, out, before)
+            select.leave(fwd)
+            return out
+        finally:
+            tls.depth -= 1
+
+    def _hook_api_backward(self, bwd: str, parent: str | None, out: Any, before: list[Any]) -> None:
+        nodes: list[Any] = []
+        for t in _iter_tensors(out):
+            node = t.grad_fn
+            if node is None:
+                continue
+            if any(node is seen for seen in nodes) or any(node is prior for prior in before):
+                continue
+            nodes.append(node)
+        if not nodes:
+            return
+        record = _ApiBackward(self, bwd, None if parent is None else _backward_parent(parent), len(nodes))
+        for i, node in enumerate(nodes):
+            self._handles.append(node.register_hook(record.hook(i)))
+        if len(nodes) > 1:
+            self._api_pending.append(record)
+
+    def emit_api_backward(self, record: _ApiBackward) -> None:
+        if self.closed or record.name in self.data:
+            return
+        tls = _tls
+        tls.depth += 1
+        try:
+            grads_in: list[Any] = []
+            grads_out: list[Any] = []
+            for part in record.parts:
+                if part is not None:
+                    grads_in.extend(part[0])
+                    grads_out.extend(part[1])
+            self._write_backward(record.name, record.parent, grads_in, grads_out)
+        finally:
+            tls.depth -= 1
+
+    def _write_backward(
+        self, name: str, parent: str | None, grads_in: list[Any], grads_out: list[Any]
+    ) -> None:
+        select = self.select
+        entry: dict[str, Any] = {}
+        names = self.names
+        if select.bwd_in:
+            entry["input"] = [
+                self.analyze(g, f"{name}.input.{i}" if names else None, True) for i, g in enumerate(grads_in)
+            ]
+        if select.bwd_out:
+            entry["output"] = [
+                self.analyze(g, f"{name}.output.{i}" if names else None, True)
+                for i, g in enumerate(grads_out)
+            ]
+        self.data[name] = entry
+        if self.with_construct and (self.with_api_parents or name.startswith("Module.")):
+            self.construct[name] = parent
+
+    # -- modules ------------------------------------------------------------------------------------------------
+
+    def attach_model(self, model: torch.nn.Module) -> None:
+        """Hook every submodule of ``model`` (the model itself is not recorded, as in msprobe)."""
+        for path, module in model.named_modules():
+            if not path:
+                continue
+            base = module_base(path, type(module).__name__)
+            params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            self._module_info[id(module)] = (base, params)
+            self._handles.append(module.register_forward_pre_hook(self._module_pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._module_post, with_kwargs=True))
+            if self.select.backward:
+                for pname, param in params:
+                    self._handles.append(
+                        param.register_post_accumulate_grad_hook(self._params_hook(base, pname))
+                    )
+
+    def _module_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        info = self._module_info.get(id(module))
+        if info is None or self.closed:
+            return
+        tls = _tls
+        tls.depth += 1
+        try:
+            base = info[0]
+            index = self.counter.next(base)
+            call = _ModuleCall()
+            call.fwd = fwd = f"{base}.{FORWARD}.{index}"
+            call.parent = self._parent()
+            select = self.select
+            in_scope = select.enter(fwd)
+            call.wanted_fwd = in_scope and select.forward and select.listed(fwd)
+            call.wanted_bwd = (
+                in_scope
+                and select.backward
+                and select.listed(f"{base}.{BACKWARD}.{index}")
+                and _is_grad_enabled()
+            )
+            if call.wanted_fwd or call.wanted_bwd:
+                self.construct[fwd] = call.parent
+            if call.wanted_fwd:
+                entry: dict[str, Any] = {}
+                if select.fwd_in:
+                    prefix = f"{fwd}.input" if self.names else None
+                    entry["input_args"], entry["input_kwargs"] = self._analyze_args(args, kwargs, prefix)
+                call.entry = entry
+                call.stack = capture_stack(3)
+            if call.wanted_bwd:
+                call.seq = _get_sequence_nr()
+                for position, arg in enumerate(args):
+                    if isinstance(arg, _Tensor) and arg.requires_grad:
+                        node = arg.grad_fn
+                        if node is None:
+                            call.input_keys.append((arg, 0, position))
+                        else:
+                            call.input_keys.append((node, arg.output_nr, position))
+            self.module_stack.append(call)
+        finally:
+            tls.depth -= 1
+
+    def _module_post(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        info = self._module_info.get(id(module))
+        if info is None or self.closed or not self.module_stack:
+            return
+        tls = _tls
+        tls.depth += 1
+        try:
+            call = self.module_stack.pop()
+            base, params = info
+            fwd = call.fwd
+            if call.entry is not None:
+                entry = call.entry
+                if self.select.fwd_out:
+                    entry["output"] = self._analyze_out(output, f"{fwd}.output" if self.names else None)
+                prefix = f"{fwd}.parameters" if self.names else None
+                entry["parameters"] = {
+                    n: self.analyze(p, None if prefix is None else f"{prefix}.{n}", False)
+                    for n, p in module.named_parameters(recurse=False)
+                }
+                self.data[fwd] = entry
+                self.stacks.add(fwd, call.stack)
+            if params and self.select.backward:
+                pg = params_grad_name(base)
+                if pg not in self.data and self.select.listed(pg) and (call.wanted_fwd or call.wanted_bwd):
+                    self.data[pg] = None  # reserved: filled when the gradients are accumulated
+                    self._params_grad_ok[pg] = True
+            if call.wanted_bwd:
+                self._hook_module_backward(call, output, len(args))
+            self.select.leave(fwd)
+        finally:
+            tls.depth -= 1
+
+    def _hook_module_backward(self, call: _ModuleCall, output: Any, n_args: int) -> None:
+        n_outputs = len(output) if isinstance(output, (tuple, list)) else 1
+        out_nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+        for position, t in _iter_top_tensors(output):
+            node = t.grad_fn
+            if node is None:
+                continue
+            slot = out_nodes.get(id(node))
+            if slot is None:
+                out_nodes[id(node)] = (node, [(position, t.output_nr)])
+            else:
+                slot[1].append((position, t.output_nr))
+        if not out_nodes:
+            return
+        record = _ModuleBackward(
+            self,
+            backward_of(call.fwd),
+            None if call.parent is None else _backward_parent(call.parent),
+            n_outputs,
+            n_args,
+        )
+        consumers = _find_consumers([n for n, _ in out_nodes.values()], call.input_keys, call.seq)
+        record.pending = len(out_nodes) + len(consumers)
+        for node, slots in out_nodes.values():
+            self._handles.append(node.register_hook(record.output_hook(slots)))
+        for node, slots in consumers:
+            self._handles.append(node.register_hook(record.consumer_hook(slots)))
+        # inputs that need no gradient stay null; none at all gives an empty list, as msprobe writes
+        record.grads_out = [[] for _ in range(n_args)] if call.input_keys else []
+        self._module_pending.append(record)
+
+    def emit_module_backward(self, record: _ModuleBackward) -> None:
+        if self.closed or record.done:
+            return
+        record.done = True
+        tls = _tls
+        tls.depth += 1
+        prev = _is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            grads_out: list[Any] = []
+            for contributions in record.grads_out:
+                if not contributions:
+                    grads_out.append(None)
+                    continue
+                total = contributions[0]
+                for more in contributions[1:]:
+                    total = _add(total, more)
+                grads_out.append(total)
+            self._write_backward(record.name, record.parent, record.grads_in, grads_out)
+        finally:
+            _set_grad_enabled(prev)
+            tls.depth -= 1
+
+    def _params_hook(self, base: str, pname: str) -> Callable[[torch.Tensor], None]:
+        pg = params_grad_name(base)
+
+        def on_accumulated(param: torch.Tensor) -> None:
+            if self.closed or param.grad is None or not self._params_grad_ok.get(pg):
+                return
+            tls = _tls
+            tls.depth += 1
+            try:
+                entry = self.data.get(pg)
+                if entry is None:
+                    entry = self.data[pg] = {}
+                name = f"{pg}.{pname}" if self.names else None
+                entry[pname] = [self.analyze(param.grad, name, False)]
+            finally:
+                tls.depth -= 1
+
+        return on_accumulated
+
+    # -- optimizer ----------------------------------------------------------------------------------------------
+
+    def attach_optimizer_hooks(self) -> None:
+        """APIs run inside ``optimizer.step()`` get the parent node "optimizer" in construct.json (mix)."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if not self.closed:
+                self.in_optimizer = True
+                self.construct.setdefault(OPTIMIZER_NODE, None)
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.in_optimizer = False
+
+        self._handles.append(register_optimizer_step_pre_hook(pre))
+        self._handles.append(register_optimizer_step_post_hook(post))
+
+    # -- end of capture -----------------------------------------------------------------------------------------
+
+    def detach(self) -> None:
+        """Remove every hook this recorder registered (module, node, parameter and optimizer hooks)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def finish(self) -> None:
+        """Write out the backward records still incomplete and drop empty reservations."""
+        for api_record in self._api_pending:
+            if api_record.name not in self.data and any(p is not None for p in api_record.parts):
+                self.emit_api_backward(api_record)
+        self._api_pending.clear()
+        for module_record in self._module_pending:
+            arrived = any(g is not None for g in module_record.grads_in) or any(module_record.grads_out)
+            if not module_record.done and arrived:
+                self.emit_module_backward(module_record)
+        self._module_pending.clear()
+        for key in [k for k, v in self.data.items() if v is None or (k in self._params_grad_ok and not v)]:
+            del self.data[key]
+        self.module_stack.clear()
+        self.in_optimizer = False
+
+
+def _backward_parent(parent: str) -> str | None:
+    if parent == OPTIMIZER_NODE:
+        return None
+    return backward_of(parent)
+
+
+def _iter_tensors(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, _Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _iter_tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _iter_tensors(v)
+
+
+def _iter_top_tensors(value: Any) -> Iterable[tuple[int, torch.Tensor]]:
+    """(position, tensor) at the top level of a module output: the tensor itself, or those of a tuple/list."""
+    if isinstance(value, _Tensor):
+        yield 0, value
+    elif isinstance(value, (tuple, list)):
+        for position, v in enumerate(value):
+            if isinstance(v, _Tensor):
+                yield position, v
+
+
+def _input_nodes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    nodes = []
+    for t in _iter_tensors(args):
+        node = t.grad_fn
+        if node is not None:
+            nodes.append(node)
+    if kwargs:
+        for t in _iter_tensors(kwargs):
+            node = t.grad_fn
+            if node is not None:
+                nodes.append(node)
+    return nodes
+
+
+def _find_consumers(
+    out_nodes: list[Any], input_keys: list[tuple[Any, int, int]], seq: int
+) -> list[tuple[Any, list[tuple[int, int]]]]:
+    """Nodes created during a module call that take a gradient edge to one of its inputs.
+
+    ``input_keys``: (the input's grad_fn and output_nr, or the leaf tensor itself; position) per tensor input
+    that requires grad. Only nodes whose sequence number is at least ``seq`` (created after the pre-hook) are
+    walked, so the walk stays within the module's own part of the graph. Returns
+    ``(node, [(edge index, input position), ...])`` pairs.
+    """
+    if not input_keys:
+        return []
+    edges: dict[tuple[int, int], int] = {}
+    leaves: dict[int, int] = {}
+    keep_alive = []
+    for key, output_nr, position in input_keys:
+        keep_alive.append(key)
+        if isinstance(key, _Tensor):
+            leaves[id(key)] = position
+        else:
+            edges[(id(key), output_nr)] = position
+    found: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+    seen: set[int] = set()
+    todo = [n for n in out_nodes if _seq(n) >= seq and type(n) is not _AccumulateGrad]
+    for n in todo:
+        seen.add(id(n))
+    while todo:
+        node = todo.pop()
+        for edge_index, (nxt, output_nr) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            if type(nxt) is _AccumulateGrad:
+                hit = leaves.get(id(nxt.variable)) if leaves else None
+            else:
+                hit = edges.get((id(nxt), output_nr))
+            if hit is not None:
+                slot = found.get(id(node))
+                if slot is None:
+                    found[id(node)] = (node, [(edge_index, hit)])
+                else:
+                    slot[1].append((edge_index, hit))
+                continue
+            key = id(nxt)
+            if key in seen or type(nxt) is _AccumulateGrad or _seq(nxt) < seq:
+                continue
+            seen.add(key)
+            todo.append(nxt)
+    return list(found.values())
+
+
+def _seq(node: Any) -> int:
+    try:
+        return int(node._sequence_nr())
+    except (AttributeError, RuntimeError):
+        return 0
+
+
+_MEMORY_FORMATS = {
+    torch.contiguous_format: "contiguous_format",
+    torch.channels_last: "channels_last",
+    torch.channels_last_3d: "channels_last_3d",
+    torch.preserve_format: "preserve_format",
+}
+
+
+def _analyze_other(value: Any) -> Any:
+    """Non-tensor, non-container values, in msprobe's shapes; anything unknown is null."""
+    if isinstance(value, bool):
+        return {"type": "bool", "value": value}
+    if isinstance(value, (int, float, str)):  # subclasses (IntEnum, ...) as their base type
+        base = int if isinstance(value, int) else float if isinstance(value, float) else str
+        return {"type": base.__name__, "value": base(value)}
+    if isinstance(value, torch.dtype):
+        return {"type": "torch.dtype", "value": dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"type": "torch.device", "value": str(value)}
+    if isinstance(value, torch.memory_format):
+        return {"type": "torch.memory_format", "format": _MEMORY_FORMATS.get(value, str(value))}
+    if isinstance(value, slice):
+        return {"type": "slice", "value": [_slice_part(v) for v in (value.start, value.stop, value.step)]}
+    if value is Ellipsis:
+        return {"type": "ellipsis", "value": "..."}
+    if isinstance(value, np.generic):
+        return {"type": type(value).__name__, "value": value.item()}
+    if isinstance(value, np.ndarray):
+        return _analyze_ndarray(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _analyze_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return None
+
+
+def _analyze_plain(value: Any) -> Any:
+    """Fields of a dataclass: tensors are not expected there; containers and scalars are kept."""
+    if isinstance(value, (list, tuple)):
+        return [_analyze_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _analyze_plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, _Tensor):
+        return None
+    return _analyze_other(value)
+
+
+def _slice_part(value: Any) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _analyze_ndarray(array: np.ndarray) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": "numpy.ndarray",
+        "dtype": str(array.dtype),
+        "shape": list(array.shape),
+        "Max": None,
+        "Min": None,
+        "Mean": None,
+        "Norm": None,
+    }
+    if array.size and array.dtype.kind in "biuf":
+        out["Max"] = np.max(array).item()
+        out["Min"] = np.min(array).item()
+        out["Mean"] = np.mean(array).item()
+        out["Norm"] = np.linalg.norm(array.astype(np.float64, copy=False)).item()
+    return out

@@ -1,0 +1,218 @@
+"""Writing a step's dump: the folder layout, atomic files, tensor files off the training thread.
+
+Layout, as msprobe writes it::
+
+    dump_path/step{N}/{rank | rank{R}}/dump.json, stack.json, construct.json[, dump_tensor_data/<row>.pt]
+
+``rank`` when torch.distributed is not initialized, ``rank{R}`` when it is. Every file is written to a temporary
+file in the same folder and renamed over the target, so a crash never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+from pytest_msprobe.errors import DumpError, PathLike
+
+DUMP_JSON = "dump.json"
+STACK_JSON = "stack.json"
+CONSTRUCT_JSON = "construct.json"
+TENSOR_DIR = "dump_tensor_data"
+
+
+def rank_dir_name() -> str:
+    """``rank{R}`` under an initialized torch.distributed, else ``rank``."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch built without distributed support
+        return "rank"
+    if dist.is_available() and dist.is_initialized():
+        return f"rank{dist.get_rank()}"
+    return "rank"
+
+
+def current_rank() -> int:
+    """The process's rank (0 outside torch.distributed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return 0
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return 0
+
+
+def step_dir(dump_path: PathLike, step: int) -> Path:
+    """``dump_path/step{N}/{rank dir}``."""
+    return Path(dump_path) / f"step{step}" / rank_dir_name()
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+def atomic_write_text(path: PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    target = Path(path)
+    tmp = _tmp_name(target)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise DumpError(f"{target}: cannot write ({exc.strerror or exc})") from exc
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def render_mapping(header: dict[str, Any], key: str | None, entries: dict[str, Any]) -> str:
+    """JSON text with one entry of ``entries`` per line: readable, diffable, and fast (C encoder per entry).
+
+    With ``key``, ``entries`` is nested under ``header[key]``; without, ``entries`` is the whole object.
+    """
+    parts = ["{\n"]
+    items = [f" {_dumps(k)}: {_dumps(v)}" for k, v in header.items()]
+    if key is not None:
+        body = ",\n".join(f"  {_dumps(k)}: {_dumps(v)}" for k, v in entries.items())
+        items.append(f" {_dumps(key)}: {{\n{body}\n }}" if body else f" {_dumps(key)}: {{}}")
+    else:
+        items.extend(f" {_dumps(k)}: {_dumps(v)}" for k, v in entries.items())
+    parts.append(",\n".join(items))
+    parts.append("\n}\n")
+    return "".join(parts)
+
+
+def write_step_files(
+    folder: Path,
+    header: dict[str, Any],
+    data: dict[str, Any],
+    stack: dict[str, Any],
+    construct: dict[str, Any],
+) -> None:
+    """Write dump.json, stack.json and construct.json of one step into ``folder`` (created if needed)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DumpError(f"{folder}: cannot create the dump folder ({exc.strerror or exc})") from exc
+    atomic_write_text(folder / DUMP_JSON, render_mapping(header, "data", data))
+    atomic_write_text(folder / STACK_JSON, render_mapping({}, None, stack))
+    atomic_write_text(folder / CONSTRUCT_JSON, render_mapping({}, None, construct))
+
+
+def atomic_torch_save(tensor: Any, path: Path) -> None:
+    """``torch.save`` through a temporary file and a rename."""
+    import torch
+
+    tmp = _tmp_name(path)
+    try:
+        torch.save(tensor, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise DumpError(f"{path}: cannot write the tensor file ({exc.strerror or exc})") from exc
+
+
+class TensorWriter:
+    """Saves tensor snapshots to ``folder`` (one ``<name>`` file each) on a background thread.
+
+    The training thread only hands over snapshots (copies taken when the record was built); :meth:`join`
+    waits until every file is on disk and re-raises the first error as :class:`DumpError`. At most
+    ``max_pending_bytes`` of snapshots wait in the queue: past that, :meth:`submit` blocks, which bounds the
+    memory a large dump can take.
+    """
+
+    def __init__(self, folder: Path, max_pending_bytes: int = 256 * 2**20, threaded: bool = True) -> None:
+        self.folder = folder
+        self._threaded = threaded
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._pending_bytes = 0
+        self._max_pending = max_pending_bytes
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._made_folder = False
+        self.files_written = 0
+
+    def _ensure_folder(self) -> None:
+        if not self._made_folder:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise DumpError(
+                    f"{self.folder}: cannot create the tensor folder ({exc.strerror or exc})"
+                ) from exc
+            self._made_folder = True
+
+    def submit(self, name: str, tensor: Any) -> None:
+        """Queue ``tensor`` (already a private copy) to be saved as ``folder/name``."""
+        self._ensure_folder()
+        if not self._threaded:
+            self._save(name, tensor)
+            return
+        size = int(tensor.numel()) * int(tensor.element_size())
+        with self._cond:
+            while self._pending_bytes > self._max_pending and self._error is None:
+                self._cond.wait()
+            self._pending_bytes += size
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="pytest-msprobe-tensor-writer", daemon=True
+            )
+            self._thread.start()
+        self._queue.put((name, tensor))
+
+    def _save(self, name: str, tensor: Any) -> None:
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        atomic_torch_save(tensor, self.folder / name)
+        self.files_written += 1
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
+            name, tensor = job
+            size = int(tensor.numel()) * int(tensor.element_size())
+            try:
+                if self._error is None:
+                    self._save(name, tensor)
+            except BaseException as exc:  # kept for join(): a writer thread must not die silently
+                self._error = exc
+            finally:
+                with self._cond:
+                    self._pending_bytes -= size
+                    self._cond.notify_all()
+                self._queue.task_done()
+
+    def join(self) -> None:
+        """Wait for every queued file; raise DumpError if one could not be written."""
+        if self._thread is not None:
+            self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, DumpError):
+                raise error
+            raise DumpError(f"{self.folder}: writing a tensor file failed: {error}") from error
+
+    def close(self) -> None:
+        """Finish the queued files and stop the thread."""
+        try:
+            self.join()
+        finally:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+                self._thread = None
