@@ -18,7 +18,6 @@ import pytest
 import torch
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "msprobe"
-MSPROBE_833 = DATA / "msprobe-8.3.3" / "dumps" / "bench"
 
 
 def _load_make_dumps() -> ModuleType:
