@@ -146,12 +146,7 @@ def _parse_int_set(key: str, value: Any, source: str | None) -> frozenset[int] |
             text = item.strip()
             lo, sep, hi = text.partition("-")
             try:
-                if not sep:
-                    out.add(int(text))
-                    if int(text) < 0:
-                        raise ValueError
-                    continue
-                first, last = int(lo), int(hi)
+                first, last = (int(text), int(text)) if not sep else (int(lo), int(hi))
             except ValueError:
                 raise ConfigError(
                     f"{key}={value!r}{_where(source)}: {item!r} is neither an integer nor a range 'a-b'"

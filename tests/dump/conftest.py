@@ -115,3 +115,20 @@ def no_leftover_debugger() -> Iterator[None]:
     assert debugger._STARTED is None
     assert capture._RECORDER is None
     assert "__add__" not in vars(torch.Tensor)
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_torch_state() -> Iterator[None]:
+    """seed_all changes process-wide switches: put them back so other tests run as they would alone."""
+    import os
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    env = {k: os.environ.get(k) for k in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "HCCL_DETERMINISTIC")}
+    yield
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
