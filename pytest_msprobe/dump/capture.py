@@ -576,7 +576,8 @@ class Recorder:
             if params and self.select.backward:
                 pg = params_grad_name(base)
                 if pg not in self.data and self.select.listed(pg) and (call.wanted_fwd or call.wanted_bwd):
-                    self.data[pg] = None  # reserved: filled when the gradients are accumulated
+                    # reserved here, in declaration order, and filled when the gradients are accumulated
+                    self.data[pg] = dict.fromkeys(n for n, _ in params)
                     self._params_grad_ok[pg] = True
             if call.wanted_bwd:
                 self._hook_module_backward(call, output, len(args))
@@ -693,8 +694,14 @@ class Recorder:
             if not module_record.done and arrived:
                 self.emit_module_backward(module_record)
         self._module_pending.clear()
-        for key in [k for k, v in self.data.items() if v is None or (k in self._params_grad_ok and not v)]:
-            del self.data[key]
+        for key in self._params_grad_ok:
+            entry = self.data.get(key)
+            if entry is None:
+                continue
+            for pname in [n for n, v in entry.items() if v is None]:
+                del entry[pname]  # no gradient arrived (not used in this step's loss)
+            if not entry:
+                del self.data[key]
         self.module_stack.clear()
         self.in_optimizer = False
 
