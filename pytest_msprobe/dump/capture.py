@@ -31,6 +31,7 @@ import importlib.util
 import inspect
 import sys
 import threading
+import types
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -78,6 +79,12 @@ def _set_recorder(recorder: Recorder | None) -> None:
     _RECORDER = recorder
 
 
+def silence_this_thread() -> None:
+    """Set up one of the dump's own threads: its API calls are never recorded, and build no autograd graph."""
+    _tls.depth = 1
+    _set_grad_enabled(False)
+
+
 # -- interception -------------------------------------------------------------------------------------------------
 
 
@@ -95,17 +102,72 @@ def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
     return wrapper
 
 
-@dataclasses.dataclass
-class _Patch:
-    owner: Any
-    attr: str
-    original: Any
-    wrapper: Any
-    owned: bool  # whether ``attr`` was in ``owner.__dict__`` before patching
+class _Batch:
+    """The functions to wrap that live on one object (a module, ``torch.Tensor``, ``torch._VF``).
+
+    Wrappers are built once per original function and reused; install and restore touch a module's dict in one
+    ``update`` and a class's attributes in a tight loop, so a start/stop pair costs well under a millisecond.
+    """
+
+    def __init__(self, owner: Any, names: list[str], apis: list[str]) -> None:
+        self.owner = owner
+        self.names = names
+        self.apis = dict(zip(names, apis))
+        # a plain module: its dict can be updated directly; a class or torch._VF needs setattr/delattr
+        plain_module = isinstance(owner, types.ModuleType) and all(n in owner.__dict__ for n in names)
+        self.module_dict: dict[str, Any] | None = owner.__dict__ if plain_module else None
+        # a Tensor dunder inherited from TensorBase is not in torch.Tensor's own dict: it is deleted on restore
+        self.owned = {n for n in names if n in vars(owner)}
+        self.originals: dict[str, Any] = {}
+        self.wrappers: dict[str, Any] = {}
+
+    def _refresh(self, current: dict[str, Any]) -> None:
+        """Rebuild the wrappers of the functions replaced (or first seen) since the last install."""
+        originals, wrappers, apis = self.originals, self.wrappers, self.apis
+        for name, value in current.items():
+            if originals.get(name) is not value:
+                originals[name] = value
+                wrappers[name] = _make_wrapper(value, apis[name])
+        for name in [n for n in wrappers if n not in current]:
+            del wrappers[name], originals[name]
+
+    def install(self) -> None:
+        owner, names = self.owner, self.names
+        d = self.module_dict
+        if d is not None:
+            current = {n: d[n] for n in names if n in d}
+        else:
+            current = {n: v for n in names if (v := getattr(owner, n, None)) is not None}
+        if current.keys() != self.originals.keys() or any(
+            self.originals[n] is not v for n, v in current.items()
+        ):
+            self._refresh(current)
+        if d is not None:
+            d.update(self.wrappers)
+        else:
+            for name, wrapper in self.wrappers.items():
+                setattr(owner, name, wrapper)
+
+    def restore(self) -> None:
+        owner, wrappers, originals = self.owner, self.wrappers, self.originals
+        d = self.module_dict
+        if d is not None:
+            # a function replaced by someone else meanwhile keeps their value
+            d.update({n: originals[n] for n, w in wrappers.items() if d.get(n) is w})
+            return
+        own = vars(owner) if isinstance(owner, type) else owner.__dict__
+        owned = self.owned
+        for name, wrapper in wrappers.items():
+            if own.get(name) is not wrapper:
+                continue
+            if name in owned:
+                setattr(owner, name, originals[name])
+            else:
+                delattr(owner, name)
 
 
-# (id(owner), attr, id(original)) -> wrapper: wrappers are built once per process and reused
-_WRAPPER_CACHE: dict[tuple[int, str, int], Callable[..., Any]] = {}
+# the batches per namespace, resolved once per process (inspect is slow)
+_BATCHES: dict[tuple[str, int], list[_Batch]] = {}
 
 
 def _namespaces() -> list[tuple[str, Any, tuple[str, ...]]]:
@@ -121,66 +183,62 @@ def _namespaces() -> list[tuple[str, Any, tuple[str, ...]]]:
     return spaces
 
 
-def _wrappable(owner: Any, attr: str) -> Any:
-    """The function to wrap at ``owner.attr``, or None when it is missing or not a plain callable."""
+def _wrappable(owner: Any, attr: str) -> bool:
+    """Whether ``owner.attr`` exists and is a plain callable (not a class, property, static/class method)."""
     try:
         static = inspect.getattr_static(owner, attr)
     except AttributeError:
-        if type(owner).__name__ == "VFModule":  # torch._VF resolves its names dynamically
-            static = getattr(owner, attr, None)
-        else:
-            return None
+        if type(owner).__name__ != "VFModule":  # torch._VF resolves its names dynamically
+            return False
+        static = getattr(owner, attr, None)
     if static is None or isinstance(static, (staticmethod, classmethod, property, type)):
-        return None
-    value = getattr(owner, attr, None)
-    return value if callable(value) else None
+        return False
+    return callable(getattr(owner, attr, None))
+
+
+def _batches(key: str, space: Any, names: tuple[str, ...]) -> list[_Batch]:
+    cache_key = (key, id(space))
+    found = _BATCHES.get(cache_key)
+    if found is None:
+        prefix = PREFIXES[key]
+        by_owner: dict[int, tuple[Any, list[str], list[str]]] = {}
+        for dotted in names:
+            owner = space
+            *parents, attr = dotted.split(".")
+            for part in parents:
+                owner = getattr(owner, part, None)
+                if owner is None:
+                    break
+            if owner is not None and _wrappable(owner, attr):
+                slot = by_owner.setdefault(id(owner), (owner, [], []))
+                slot[1].append(attr)
+                slot[2].append(f"{prefix}.{dotted}")
+        found = _BATCHES[cache_key] = [_Batch(o, n, a) for o, n, a in by_owner.values()]
+    return found
 
 
 class ApiPatcher:
     """Installs the API wrappers and puts the originals back."""
 
     def __init__(self) -> None:
-        self._patches: list[_Patch] = []
+        self._installed: list[_Batch] = []
 
     @property
     def installed(self) -> bool:
-        return bool(self._patches)
+        return bool(self._installed)
 
     def install(self) -> None:
-        if self._patches:
+        if self._installed:
             return
         for key, space, names in _namespaces():
-            prefix = PREFIXES[key]
-            for dotted in names:
-                owner = space
-                *parents, attr = dotted.split(".")
-                for part in parents:
-                    owner = getattr(owner, part, None)
-                    if owner is None:
-                        break
-                if owner is None:
-                    continue
-                original = _wrappable(owner, attr)
-                if original is None:
-                    continue
-                cache_key = (id(owner), attr, id(original))
-                wrapper = _WRAPPER_CACHE.get(cache_key)
-                if wrapper is None or wrapper.__wrapped__ is not original:  # type: ignore[attr-defined]
-                    wrapper = _WRAPPER_CACHE[cache_key] = _make_wrapper(original, f"{prefix}.{dotted}")
-                owned = attr in vars(owner)
-                setattr(owner, attr, wrapper)
-                self._patches.append(_Patch(owner, attr, original, wrapper, owned))
+            for batch in _batches(key, space, names):
+                batch.install()
+                self._installed.append(batch)
 
     def uninstall(self) -> None:
-        for patch in reversed(self._patches):
-            current = vars(patch.owner).get(patch.attr)
-            if current is not patch.wrapper:
-                continue  # replaced by someone else since: leave their value alone
-            if patch.owned:
-                setattr(patch.owner, patch.attr, patch.original)
-            else:
-                delattr(patch.owner, patch.attr)
-        self._patches.clear()
+        for batch in reversed(self._installed):
+            batch.restore()
+        self._installed.clear()
 
 
 # -- selection ----------------------------------------------------------------------------------------------------
@@ -324,6 +382,7 @@ class Recorder:
         self.counter = CallCounter()
         self.select = _Selector(config)
         self.names = config.save_tensors  # build data_name paths only when tensors are saved
+        self.filtered = bool(config.scope or config.api_list)
         self.with_construct = config.modules
         self.with_api_parents = config.level == "mix"
         self.module_stack: list[_ModuleCall] = []
@@ -401,53 +460,79 @@ class Recorder:
         tls = _tls
         tls.depth += 1
         try:
-            index = self.counter.next(api)
+            counts = self.counter._counts
+            index = counts.get(api, 0)
+            counts[api] = index + 1
             fwd = f"{api}.{index}.{FORWARD}"
             select = self.select
-            in_scope = select.enter(fwd)
-            want_fwd = in_scope and select.forward and select.listed(fwd)
-            bwd = f"{api}.{index}.{BACKWARD}"
-            want_bwd = in_scope and select.backward and select.listed(bwd)
-            if not (want_fwd or want_bwd):
-                out = orig(*args, **kwargs)
-                select.leave(fwd)
-                return out
+            if self.filtered:
+                in_scope = select.enter(fwd)
+                want_fwd = in_scope and select.forward and select.listed(fwd)
+                want_bwd = in_scope and select.backward and select.listed(f"{api}.{index}.{BACKWARD}")
+                if not (want_fwd or want_bwd):
+                    out = orig(*args, **kwargs)
+                    select.leave(fwd)
+                    return out
+            else:
+                want_fwd = select.forward
+                want_bwd = select.backward
             parent = self._parent() if self.with_api_parents else None
+            grad = _is_grad_enabled()
             entry: dict[str, Any] | None = None
             if want_fwd:
                 entry = {}
                 if select.fwd_in:
-                    prefix = f"{fwd}.input" if self.names else None
-                    entry["input_args"], entry["input_kwargs"] = self._analyze_args(args, kwargs, prefix)
+                    if grad:
+                        _set_grad_enabled(False)
+                    try:
+                        prefix = f"{fwd}.input" if self.names else None
+                        entry["input_args"], entry["input_kwargs"] = self._analyze_args(args, kwargs, prefix)
+                    finally:
+                        if grad:
+                            _set_grad_enabled(True)
                 self.stacks.add(fwd, capture_stack(2))
-            before: list[Any] = []
-            if want_bwd and _is_grad_enabled():
-                before = _input_nodes(args, kwargs)
+            before = _input_nodes(args, kwargs) if want_bwd and grad else None
             out = orig(*args, **kwargs)
             if entry is not None:
                 if select.fwd_out:
-                    entry["output"] = self._analyze_out(out, f"{fwd}.output" if self.names else None)
+                    if grad:
+                        _set_grad_enabled(False)
+                    try:
+                        entry["output"] = self._analyze_out(out, f"{fwd}.output" if self.names else None)
+                    finally:
+                        if grad:
+                            _set_grad_enabled(True)
                 self.data[fwd] = entry
                 if self.with_api_parents:
                     self.construct[fwd] = parent
-            if want_bwd and _is_grad_enabled():
-                self._hook_api_backward(bwd, parent, out, before)
-            select.leave(fwd)
+            if before is not None:
+                self._hook_api_backward(f"{api}.{index}.{BACKWARD}", parent, out, before)
+            if self.filtered:
+                select.leave(fwd)
             return out
         finally:
             tls.depth -= 1
 
     def _hook_api_backward(self, bwd: str, parent: str | None, out: Any, before: list[Any]) -> None:
-        nodes: list[Any] = []
-        for t in _iter_tensors(out):
-            node = t.grad_fn
+        if isinstance(out, _Tensor):  # the common case: one output tensor
+            node = out.grad_fn
             if node is None:
-                continue
-            if any(node is seen for seen in nodes) or any(node is prior for prior in before):
-                continue
-            nodes.append(node)
-        if not nodes:
-            return
+                return
+            for prior in before:
+                if node is prior:
+                    return
+            nodes = [node]
+        else:
+            nodes = []
+            for t in _iter_tensors(out):
+                node = t.grad_fn
+                if node is None:
+                    continue
+                if any(node is seen for seen in nodes) or any(node is prior for prior in before):
+                    continue
+                nodes.append(node)
+            if not nodes:
+                return
         record = _ApiBackward(self, bwd, None if parent is None else _backward_parent(parent), len(nodes))
         for i, node in enumerate(nodes):
             self._handles.append(node.register_hook(record.hook(i)))
@@ -734,11 +819,18 @@ def _iter_top_tensors(value: Any) -> Iterable[tuple[int, torch.Tensor]]:
 
 
 def _input_nodes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The autograd nodes the tensor arguments of a call have before it runs."""
     nodes = []
-    for t in _iter_tensors(args):
-        node = t.grad_fn
-        if node is not None:
-            nodes.append(node)
+    for a in args:
+        if isinstance(a, _Tensor):
+            node = a.grad_fn
+            if node is not None:
+                nodes.append(node)
+        elif isinstance(a, (tuple, list)):
+            for t in _iter_tensors(a):
+                node = t.grad_fn
+                if node is not None:
+                    nodes.append(node)
     if kwargs:
         for t in _iter_tensors(kwargs):
             node = t.grad_fn

@@ -10,6 +10,11 @@
 Several debuggers can be used one after another in one process; only one can be started at a time. stop()
 removes every wrapper and hook it installed; it also works as a context manager (``with PrecisionDebugger(...)
 as debugger:``), which closes it on exit.
+
+stop() hands the step's records to a background thread that resolves the statistics and writes the JSON files
+while training goes on (tensor files of task ``tensor`` are complete when stop() returns). The files are complete
+after :meth:`PrecisionDebugger.wait` or :meth:`PrecisionDebugger.close` (and at interpreter exit); each is
+written through a temporary file and a rename, so a reader never sees a partial file.
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ from pytest_msprobe.dump import capture
 from pytest_msprobe.dump.capture import ApiPatcher, Recorder
 from pytest_msprobe.dump.config import DumpConfig, build_config
 from pytest_msprobe.dump.stats import StatEngine
-from pytest_msprobe.dump.writer import TENSOR_DIR, TensorWriter, current_rank, step_dir, write_step_files
+from pytest_msprobe.dump.writer import (
+    TENSOR_DIR,
+    BackgroundJobs,
+    TensorWriter,
+    current_rank,
+    step_dir,
+    write_step_files,
+)
 from pytest_msprobe.errors import ConfigError, DumpError, PathLike
 
 # the debugger currently started in this process (at most one: the API wrappers are process-wide)
@@ -76,6 +88,7 @@ class PrecisionDebugger:
         self._recorder: Recorder | None = None
         self._engine: StatEngine | None = None
         self._writer: TensorWriter | None = None
+        self._files = BackgroundJobs(on_thread_start=capture.silence_this_thread)
         self._started = False
         self._closed = False
 
@@ -100,7 +113,10 @@ class PrecisionDebugger:
         if _STARTED is not None and _STARTED is not self:
             raise DumpError("another PrecisionDebugger is started in this process: stop it first")
         if self._recorder is None:
+            self._files.check()
             self._new_step_recorder()
+        else:
+            self._files.wait()  # resuming the step: its records are being written, let that finish
         recorder = self._recorder
         assert recorder is not None
         recorder.closed = False
@@ -145,8 +161,13 @@ class PrecisionDebugger:
         try:
             self.stop()
             self._end_step()
+            self._files.wait()
         finally:
             self._closed = True
+
+    def wait(self) -> None:
+        """Block until every file of the steps stopped so far is written; raises DumpError if one failed."""
+        self._files.wait()
 
     def forward_backward_dump_end(self) -> None:
         """msprobe's name for stopping the capture before the end of the step."""
@@ -179,7 +200,9 @@ class PrecisionDebugger:
         config = self.config
         sink = None
         if config.save_tensors:
-            self._writer = TensorWriter(self.step_path() / TENSOR_DIR)
+            self._writer = TensorWriter(
+                self.step_path() / TENSOR_DIR, on_thread_start=capture.silence_this_thread
+            )
             sink = self._writer.submit
         self._engine = StatEngine(md5=config.md5, tensor_sink=sink)
         self._recorder = Recorder(config, self._engine)
@@ -188,7 +211,6 @@ class PrecisionDebugger:
         config = self.config
         engine = self._engine
         assert engine is not None
-        engine.flush()
         folder = self.step_path()
         header = {
             "task": config.task,
@@ -196,10 +218,15 @@ class PrecisionDebugger:
             "framework": "pytorch",
             "dump_data_dir": os.fspath(folder / TENSOR_DIR) if config.save_tensors else None,
         }
-        construct = recorder.construct if config.modules else {}
         if self._writer is not None:
             self._writer.join()
-        write_step_files(folder, header, recorder.data, recorder.stacks.render(), construct)
+
+        def write_files() -> None:
+            engine.flush()
+            construct = recorder.construct if config.modules else {}
+            write_step_files(folder, header, recorder.data, recorder.stacks.render(), construct)
+
+        self._files.submit(write_files)
 
     def _end_step(self) -> None:
         if self._writer is not None:

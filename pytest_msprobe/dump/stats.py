@@ -33,10 +33,13 @@ _VF: Any = torch._C._VariableFunctions
 _TB: Any = torch._C.TensorBase
 # the C functions themselves: the dump's own computations must not go through the API wrappers
 _aminmax = _VF.aminmax
-_mean = _VF.mean
+_sum = _VF.sum
+_as_tensor = _VF.as_tensor
 _abs = _VF.abs
 _clone = _VF.clone
 _stack = _VF.stack
+_narrow = _VF.narrow
+_div = _VF.div
 _vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]
 _detach = _TB.detach
 _to = _TB.to
@@ -87,19 +90,84 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-class _Bucket:
-    """0-d statistic tensors of one dtype on one device, stacked and moved to the host at flush."""
-
-    __slots__ = ("host", "tensors")
-
-    def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self.host: list[Any] = []
+# what a group's columns hold
+_G_NUMERIC = 0  # max, min, sum, norm (Mean = sum / count, computed at flush as torch.mean does)
+_G_BOOL = 1  # max (any), min (all)
+_G_COMPLEX = 2  # max, min, sum of the absolute values; no Norm
+_G_SCALAR = 3  # the value of a 0-d tensor: all four statistics
 
 
-_Ref = Optional[tuple[_Bucket, int]]
-_Stats = tuple[_Ref, _Ref, _Ref, _Ref]
-_NO_STATS: _Stats = (None, None, None, None)
+class _Group:
+    """Statistics of the tensors of one dtype on one device: one row per tensor, one list per column.
+
+    Columns are stacked and moved to the host once each at flush.
+    """
+
+    __slots__ = ("cols", "counts", "deferred", "host", "kind", "means")
+
+    def __init__(self, kind: int) -> None:
+        self.kind = kind
+        width = 1 if kind == _G_SCALAR else 2 if kind == _G_BOOL else 3 if kind == _G_COMPLEX else 4
+        self.cols: list[list[torch.Tensor]] = [[] for _ in range(width)]
+        self.counts: list[int] = []
+        # (row, private copy, kind) of small tensors whose statistics are computed at flush
+        self.deferred: list[tuple[int, torch.Tensor, int]] = []
+        self.host: list[list[Any]] = []
+        self.means: list[Any] = []
+
+    def resolve(self) -> None:
+        cols = self.cols
+        n = len(cols[0])
+        if not n:
+            return
+        for row, copy, kind in self.deferred:
+            for col, value in zip(cols, _numeric(copy, kind)):
+                col[row] = value
+        self.deferred = []
+        # one stack and one transfer per dtype among the columns (usually all four share it)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index, col in enumerate(cols):
+            by_dtype.setdefault(col[0].dtype, []).append(index)
+        host: list[list[Any]] = [[] for _ in cols]
+        sums: torch.Tensor | None = None
+        for indices in by_dtype.values():
+            stacked = _stack([t for i in indices for t in cols[i]])
+            values = stacked.tolist()
+            for k, i in enumerate(indices):
+                host[i] = values[k * n : (k + 1) * n]
+                if i == 2:
+                    sums = _narrow(stacked, 0, k * n, n)
+        self.host = host
+        if sums is not None and self.kind in (_G_NUMERIC, _G_COMPLEX):
+            counts = _as_tensor(self.counts, dtype=sums.dtype, device=sums.device)
+            # torch.mean is sum / numel in the sum's dtype: the same division, for the whole group at once
+            self.means = _div(sums, counts).tolist()
+
+
+_Ref = Optional[tuple[_Group, int]]
+# tensors of at most this many elements are copied when seen and reduced at flush
+_SMALL = 4096
+
+
+def _numeric(t: torch.Tensor, kind: int) -> tuple[Any, Any, Any, Any]:
+    """Max, min, sum and 2-norm of a non-empty tensor with at least one dimension (no host sync)."""
+    if kind in (_K_F32, _K_F64):
+        mn, mx = _aminmax(t)
+        return mx, mn, _sum(t), _vector_norm(t)
+    if kind == _K_LOW:
+        mn, mx = _aminmax(t)
+        return mx, mn, _sum(t, dtype=_F32), _vector_norm(t, dtype=_F32)
+    if kind == _K_INT:
+        mn, mx = _aminmax(t)  # exact, in the integer dtype
+        as_float = _to(t, _F32)
+        return mx, mn, _sum(as_float), _vector_norm(as_float)
+    if kind == _K_COMPLEX:
+        mag = _abs(t)
+        mn, mx = _aminmax(mag)
+        return mx, mn, _sum(mag), None
+    as_float = _to(t, _F32)  # _K_CAST: float8 and other exotic floats, in float32
+    mn, mx = _aminmax(as_float)
+    return mx, mn, _sum(as_float), _vector_norm(as_float)
 
 
 def crc32_hex(t: torch.Tensor) -> str:
@@ -131,12 +199,13 @@ class StatEngine:
     ) -> None:
         self.md5 = md5
         self.tensor_sink = tensor_sink
-        self._buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
-        self._pending: list[tuple[dict[str, Any], _Stats]] = []
+        self._groups: dict[tuple[torch.dtype, torch.device, bool], _Group] = {}
+        self._pending: list[tuple[dict[str, Any], _Group, int]] = []
         self._pending_crc: list[tuple[dict[str, Any], torch.Tensor]] = []
-        # id(tensor) -> (tensor, version, stats, crc, snapshot)
-        self._cache: dict[int, tuple[torch.Tensor, int, _Stats, str | None, torch.Tensor | None]] = {}
+        # id(tensor) -> (tensor, version, statistics reference, crc, snapshot)
+        self._cache: dict[int, tuple[torch.Tensor, int, _Ref, str | None, torch.Tensor | None]] = {}
         self._cache_size = cache_size
+        self.computed = 0  # tensors whose statistics were computed (the others came from the cache)
 
     # -- building items -------------------------------------------------------------------------------------
 
@@ -161,9 +230,9 @@ class StatEngine:
         hit = self._cache.get(key)
         version = t._version
         if hit is not None and hit[0] is t and hit[1] == version:
-            stats, crc, snap = hit[2], hit[3], hit[4]
+            ref, crc, snap = hit[2], hit[3], hit[4]
         else:
-            stats = self._compute(t)
+            ref = self._compute(t)
             crc = None
             snap = None
             if self.md5:
@@ -177,9 +246,9 @@ class StatEngine:
                 cache = self._cache
                 if len(cache) >= self._cache_size:
                     del cache[next(iter(cache))]
-                cache[key] = (t, version, stats, crc, snap)
-        if stats is not _NO_STATS:
-            self._pending.append((item, stats))
+                cache[key] = (t, version, ref, crc, snap)
+        if ref is not None:
+            self._pending.append((item, ref[0], ref[1]))
         if self.md5:
             if crc is not None:
                 item["md5"] = crc
@@ -191,85 +260,95 @@ class StatEngine:
             self.tensor_sink(data_name, snap)
         return item
 
-    def _bucket(self, stat: torch.Tensor) -> _Bucket:
-        key = (stat.dtype, stat.device)
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = _Bucket()
-        return bucket
+    def _group(self, t: torch.Tensor, kind: int, scalar: bool) -> _Group:
+        key = (t.dtype, t.device, scalar)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(_G_SCALAR if scalar else kind)
+        return group
 
-    def _put(self, stat: torch.Tensor) -> tuple[_Bucket, int]:
-        bucket = self._bucket(stat)
-        tensors = bucket.tensors
-        tensors.append(stat)
-        return bucket, len(tensors) - 1
-
-    def _compute(self, t: torch.Tensor) -> _Stats:
-        """Launch the statistics of ``t`` (no host sync); returns references resolved at flush."""
-        kind = _KINDS.get(t.dtype)
+    def _compute(self, t: torch.Tensor) -> _Ref:
+        """Launch the statistics of ``t`` (no host sync); returns a reference resolved at flush."""
+        dtype = t.dtype
+        kind = _KINDS.get(dtype)
         if kind is None:
-            kind = _KINDS[t.dtype] = _kind_of(t.dtype)
-        if kind == _K_NONE or t.numel() == 0 or t.is_meta or t.layout is not torch.strided:
-            return _NO_STATS
-        prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+            kind = _KINDS[dtype] = _kind_of(dtype)
+        if kind == _K_NONE or t.layout is not torch.strided or t.is_meta:
+            return None
+        numel = t.numel()
+        if numel == 0:
+            return None
+        grad_was = torch.is_grad_enabled()
+        if grad_was:
+            torch._C._set_grad_enabled(False)
         try:
-            return self._compute_kind(t, kind)
+            return self._launch(t, kind, numel)
         except RuntimeError:
             # an operator this device/dtype lacks: leave the statistics empty rather than break training
-            return _NO_STATS
+            return None
         finally:
-            torch._C._set_grad_enabled(prev)
+            if grad_was:
+                torch._C._set_grad_enabled(True)
 
-    def _compute_kind(self, t: torch.Tensor, kind: int) -> _Stats:
-        put = self._put
+    def _launch(self, t: torch.Tensor, kind: int, numel: int) -> _Ref:
+        self.computed += 1
         if kind == _K_BOOL:
+            group = self._group(t, _G_BOOL, False)
             mn, mx = _aminmax(t)  # max = any, min = all
-            return put(mx), put(mn), None, None
+            cols = group.cols
+            cols[0].append(mx)
+            cols[1].append(mn)
+            return group, len(cols[0]) - 1
         if t.dim() == 0:
-            ref = put(_clone(t))
-            return ref, ref, ref, ref
-        if kind in (_K_F32, _K_F64):
-            mn, mx = _aminmax(t)
-            return put(mx), put(mn), put(_mean(t)), put(_vector_norm(t))
-        if kind == _K_LOW:
-            mn, mx = _aminmax(t)
-            return put(mx), put(mn), put(_mean(t, dtype=_F32)), put(_vector_norm(t, dtype=_F32))
-        if kind == _K_INT:
-            mn, mx = _aminmax(t)
-            as_float = _to(t, _F32)
-            return put(mx), put(mn), put(_mean(as_float)), put(_vector_norm(as_float))
-        if kind == _K_COMPLEX:
-            mag = _abs(t)
-            mn, mx = _aminmax(mag)
-            return put(mx), put(mn), put(_mean(mag)), None
-        as_float = _to(t, _F32)  # _K_CAST
-        mn, mx = _aminmax(as_float)
-        return put(mx), put(mn), put(_mean(as_float)), put(_vector_norm(as_float))
+            group = self._group(t, _G_SCALAR, True)
+            col = group.cols[0]
+            col.append(_clone(t))  # a copy: the value may be changed in place later (num_batches_tracked)
+            return group, len(col) - 1
+        group = self._group(t, _G_COMPLEX if kind == _K_COMPLEX else _G_NUMERIC, False)
+        cols = group.cols
+        row = len(cols[0])
+        group.counts.append(numel)
+        if numel <= _SMALL:
+            # small tensors: one copy now, the statistics at flush (on the writer thread); for a handful of
+            # elements the operators' fixed cost is the whole cost, so this saves most of it
+            group.deferred.append((row, _clone(t), kind))
+            for col in cols:
+                col.append(None)  # type: ignore[arg-type]
+            return group, row
+        mx, mn, s, norm = _numeric(t, kind)
+        cols[0].append(mx)
+        cols[1].append(mn)
+        cols[2].append(s)
+        if norm is not None:
+            cols[3].append(norm)
+        return group, row
 
     # -- resolving --------------------------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Move every bucket to the host (one transfer each) and fill the items built so far."""
-        for bucket in self._buckets.values():
-            if bucket.tensors:
-                bucket.host = _stack(bucket.tensors).tolist()
-        for item, (r_max, r_min, r_mean, r_norm) in self._pending:
-            if r_max is not None:
-                item["Max"] = r_max[0].host[r_max[1]]
-            if r_min is not None:
-                item["Min"] = r_min[0].host[r_min[1]]
-            if r_mean is not None:
-                item["Mean"] = r_mean[0].host[r_mean[1]]
-            if r_norm is not None:
-                item["Norm"] = r_norm[0].host[r_norm[1]]
+        """Move every group to the host (one transfer per column) and fill the items built so far."""
+        for group in self._groups.values():
+            group.resolve()
+        for item, group, row in self._pending:
+            host = group.host
+            kind = group.kind
+            if kind == _G_SCALAR:
+                value = host[0][row]
+                item["Max"] = item["Min"] = item["Mean"] = item["Norm"] = value
+                continue
+            item["Max"] = host[0][row]
+            item["Min"] = host[1][row]
+            if kind == _G_NUMERIC:
+                item["Mean"] = group.means[row]
+                item["Norm"] = host[3][row]
+            elif kind == _G_COMPLEX:
+                item["Mean"] = group.means[row]
         for item, snap in self._pending_crc:
             item["md5"] = crc32_hex(snap.cpu())
         # everything built so far is resolved: start afresh (a later start() in the same step adds to the items)
         self._pending.clear()
         self._pending_crc.clear()
-        for bucket in self._buckets.values():
-            bucket.tensors = []
+        self._groups.clear()
         self._cache.clear()
 
     def clear_cache(self) -> None:

@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pytest_msprobe.errors import DumpError, PathLike
 
@@ -132,8 +132,15 @@ class TensorWriter:
     memory a large dump can take.
     """
 
-    def __init__(self, folder: Path, max_pending_bytes: int = 256 * 2**20, threaded: bool = True) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        max_pending_bytes: int = 256 * 2**20,
+        threaded: bool = True,
+        on_thread_start: Callable[[], None] | None = None,
+    ) -> None:
         self.folder = folder
+        self._on_thread_start = on_thread_start
         self._threaded = threaded
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._error: BaseException | None = None
@@ -179,6 +186,8 @@ class TensorWriter:
         self.files_written += 1
 
     def _run(self) -> None:
+        if self._on_thread_start is not None:
+            self._on_thread_start()
         while True:
             job = self._queue.get()
             if job is None:
@@ -216,3 +225,48 @@ class TensorWriter:
                 self._queue.put(None)
                 self._thread.join()
                 self._thread = None
+
+
+class BackgroundJobs:
+    """Runs jobs one at a time on a background thread (a step's JSON files), surfacing errors later.
+
+    The thread is not a daemon: the interpreter waits for the files before it exits. :meth:`wait` blocks until
+    the current job is done and raises :class:`DumpError` if a job failed; :meth:`check` raises without waiting.
+    """
+
+    def __init__(self, on_thread_start: Callable[[], None] | None = None) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._on_thread_start = on_thread_start
+
+    def submit(self, job: Any) -> None:
+        self.wait()  # one at a time, in order: a later step's files never overtake an earlier one's
+        thread = threading.Thread(target=self._run, args=(job,), name="pytest-msprobe-writer")
+        self._thread = thread
+        thread.start()
+
+    def _run(self, job: Any) -> None:
+        try:
+            if self._on_thread_start is not None:
+                self._on_thread_start()
+            job()
+        except BaseException as exc:  # kept for wait(): a failed write must not go unnoticed
+            self._error = exc
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Raise the error of a finished job, if any (does not wait)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, DumpError):
+                raise error
+            raise DumpError(f"writing the dump failed: {error}") from error
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()

@@ -90,6 +90,8 @@ def train(make_dumps: ModuleType) -> TrainFn:
             result.outputs.append(out.detach().clone())
             result.grads.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
         result.params = {n: p.detach().clone() for n, p in net.named_parameters()}
+        if debugger is not None:
+            debugger.close()  # the files are complete once the debugger is closed
         return result
 
     return run

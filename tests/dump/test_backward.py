@@ -21,7 +21,7 @@ def _dump(tmp_path: Path, body: Callable[[], Any], **kwargs: Any) -> dict[str, A
     try:
         body()
     finally:
-        debugger.stop()
+        debugger.close()
     return json.loads((tmp_path / "step0" / "rank" / "dump.json").read_text())["data"]
 
 
@@ -108,6 +108,7 @@ def test_backward_after_stop_is_not_recorded_and_leaves_no_hook(tmp_path: Path) 
     y = F.relu(x * 2)
     debugger.stop()
     y.sum().backward()  # the graph outlives the capture: its hooks are gone
+    debugger.close()
     data = json.loads((tmp_path / "step0" / "rank" / "dump.json").read_text())["data"]
     assert not [n for n in data if n.endswith(".backward")]
     assert torch.equal(x.grad, torch.where(x > 0, 2.0, 0.0))

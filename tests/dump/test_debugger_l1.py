@@ -22,7 +22,7 @@ def _dump_once(tmp_path: Path, body: Callable[[], Any], **kwargs: Any) -> dict[s
     try:
         body()
     finally:
-        debugger.stop()
+        debugger.close()
     return json.loads((tmp_path / "step0" / "rank" / "dump.json").read_text())
 
 
@@ -147,6 +147,7 @@ def test_only_selected_steps_are_dumped(tmp_path: Path) -> None:
         F.relu(torch.ones(1))
         debugger.stop()
         debugger.step()
+    debugger.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step1"]
     assert debugger.current_step == 3
 
@@ -159,7 +160,7 @@ def test_restarting_within_a_step_rewrites_the_step_with_all_records(tmp_path: P
     torch.relu(torch.ones(1))  # not captured: between stop and start
     debugger.start()
     F.relu(torch.ones(1))
-    debugger.stop()
+    debugger.close()
     data = json.loads((tmp_path / "step0" / "rank" / "dump.json").read_text())["data"]
     assert [n for n in data if "relu" in n] == ["Functional.relu.0.forward", "Functional.relu.1.forward"]
 

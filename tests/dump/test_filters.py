@@ -77,6 +77,7 @@ def test_steps_as_ranges(tmp_path: Path) -> None:
         F.relu(torch.ones(1))
         debugger.stop()
         debugger.step()
+    debugger.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step1", "step2", "step4"]
 
 
@@ -85,10 +86,10 @@ def test_ranks_not_selected_dump_nothing(tmp_path: Path) -> None:
     debugger = PrecisionDebugger(dump_path=tmp_path, level="L1", rank=[1])
     debugger.start()
     F.relu(torch.ones(1))
-    debugger.stop()
+    debugger.close()
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
     kept = PrecisionDebugger(dump_path=tmp_path / "r0", level="L1", rank=[0])
     kept.start()
     F.relu(torch.ones(1))
-    kept.stop()
+    kept.close()
     assert _names(tmp_path / "r0") == ["Torch.ones.0.forward", "Functional.relu.0.forward"]

@@ -120,7 +120,7 @@ def test_md5_from_msprobe_config_file(tmp_path: Path) -> None:
     assert debugger.config.md5 and debugger.config.steps == frozenset({0, 1})
     debugger.start()
     torch.ones(2).mul(3)
-    debugger.stop()
+    debugger.close()
     item = _read(tmp_path, 0)["data"]["Tensor.mul.0.forward"]["output"][0]
     assert item["md5"] == f"{zlib.crc32(torch.full((2,), 3.0).numpy().tobytes()):08x}"
     assert item["Max"] == 3.0
