@@ -551,6 +551,8 @@ class Recorder:
                 if part is not None:
                     grads_in.extend(part[0])
                     grads_out.extend(part[1])
+            # let the gradients go: kept alive, they would stop the engine from reusing their memory
+            record.parts = [None] * len(record.parts)
             self._write_backward(record.name, record.parent, grads_in, grads_out)
         finally:
             tls.depth -= 1
@@ -719,7 +721,10 @@ class Recorder:
                 for more in contributions[1:]:
                     total = _add(total, more)
                 grads_out.append(total)
-            self._write_backward(record.name, record.parent, record.grads_in, grads_out)
+            grads_in = record.grads_in
+            record.grads_in = []  # let the gradients go once recorded
+            record.grads_out = []
+            self._write_backward(record.name, record.parent, grads_in, grads_out)
         finally:
             _set_grad_enabled(prev)
             tls.depth -= 1

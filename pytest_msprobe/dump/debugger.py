@@ -204,7 +204,7 @@ class PrecisionDebugger:
                 self.step_path() / TENSOR_DIR, on_thread_start=capture.silence_this_thread
             )
             sink = self._writer.submit
-        self._engine = StatEngine(md5=config.md5, tensor_sink=sink)
+        self._engine = StatEngine(md5=config.md5, tensor_sink=sink, worker_init=capture.silence_this_thread)
         self._recorder = Recorder(config, self._engine)
 
     def _write(self, recorder: Recorder) -> None:

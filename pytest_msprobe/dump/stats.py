@@ -16,15 +16,17 @@ What msprobe writes, reproduced here:
 - complex tensors: Max/Min/Mean of the absolute values, Norm null;
 - empty (and meta) tensors: all four null.
 
-A small cache keyed on the tensor object (held strongly, checked against ``t._version``) reuses the statistics
+A small cache keyed on the tensor object (held weakly, checked against ``t._version``) reuses the statistics
 of a tensor seen again unchanged: an API's output is usually the next API's input, and a gradient flowing out of
 one node flows into the next.
 """
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
@@ -47,6 +49,7 @@ _contiguous = _TB.contiguous
 _reshape = _TB.reshape
 _view_dtype = _TB.view
 
+_weakref = weakref.ref
 _F32 = torch.float32
 _F64 = torch.float64
 _LOW_FLOATS = frozenset({torch.float16, torch.bfloat16})
@@ -183,6 +186,23 @@ def crc32_hex(t: torch.Tensor) -> str:
     return f"{zlib.crc32(raw.numpy()):08x}"
 
 
+def _crc_of_copy(copy: torch.Tensor) -> str:
+    return crc32_hex(copy if copy.device.type == "cpu" else copy.cpu())
+
+
+_CRC_POOL: ThreadPoolExecutor | None = None
+
+
+def _crc_pool(worker_init: Callable[[], None] | None) -> ThreadPoolExecutor:
+    """One worker thread per process for CRC32s: they run beside training on private copies."""
+    global _CRC_POOL
+    if _CRC_POOL is None:
+        _CRC_POOL = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pytest-msprobe-crc", initializer=worker_init
+        )
+    return _CRC_POOL
+
+
 class StatEngine:
     """Builds tensor items for one step and resolves their statistics at :meth:`flush`.
 
@@ -196,14 +216,17 @@ class StatEngine:
         md5: bool = False,
         tensor_sink: Callable[[str, torch.Tensor], None] | None = None,
         cache_size: int = 64,
+        worker_init: Callable[[], None] | None = None,
     ) -> None:
         self.md5 = md5
+        self.worker_init = worker_init
         self.tensor_sink = tensor_sink
         self._groups: dict[tuple[torch.dtype, torch.device, bool], _Group] = {}
         self._pending: list[tuple[dict[str, Any], _Group, int]] = []
-        self._pending_crc: list[tuple[dict[str, Any], torch.Tensor]] = []
-        # id(tensor) -> (tensor, version, statistics reference, crc, snapshot)
-        self._cache: dict[int, tuple[torch.Tensor, int, _Ref, str | None, torch.Tensor | None]] = {}
+        self._pending_crc: list[tuple[dict[str, Any], Future[str]]] = []
+        # id(tensor) -> (weak reference to it, version, statistics reference, crc, snapshot); weak, because
+        # holding gradients and activations alive would stop the allocator from reusing their memory
+        self._cache: dict[int, tuple[Any, int, _Ref, str | None, torch.Tensor | None]] = {}
         self._cache_size = cache_size
         self.computed = 0  # tensors whose statistics were computed (the others came from the cache)
 
@@ -229,32 +252,33 @@ class StatEngine:
         key = id(t)
         hit = self._cache.get(key)
         version = t._version
-        if hit is not None and hit[0] is t and hit[1] == version:
+        if hit is not None and hit[0]() is t and hit[1] == version:
             ref, crc, snap = hit[2], hit[3], hit[4]
         else:
-            ref = self._compute(t)
-            crc = None
             snap = None
-            if self.md5:
-                if t.device.type == "cpu":
-                    crc = crc32_hex(t)
-                else:
-                    snap = _clone(_detach(t), memory_format=torch.contiguous_format)
-            if self.tensor_sink is not None and snap is None:
+            crc: Any = None
+            on_cpu = t.device.type == "cpu"
+            if self.tensor_sink is not None or (self.md5 and not on_cpu):
+                # a private copy, taken now: later in-place changes cannot reach the file or the CRC
                 snap = _clone(_detach(t), memory_format=torch.contiguous_format)
-            if remember:
+            ref = self._compute(t, snap)
+            if self.md5 and not t.is_meta:
+                # CPU tensors right away, from their own bytes (no copy: it would cost about as much as the CRC);
+                # device tensors from their copy, moved to the host and hashed on a worker thread
+                crc = crc32_hex(t) if on_cpu else _crc_pool(self.worker_init).submit(_crc_of_copy, snap)
+            if remember and self._cache_size:
                 cache = self._cache
                 if len(cache) >= self._cache_size:
                     del cache[next(iter(cache))]
-                cache[key] = (t, version, ref, crc, snap)
+                cache[key] = (_weakref(t), version, ref, crc, snap)
         if ref is not None:
             self._pending.append((item, ref[0], ref[1]))
         if self.md5:
-            if crc is not None:
+            if isinstance(crc, str) or crc is None:
                 item["md5"] = crc
-            elif snap is not None:
+            else:
                 item["md5"] = None
-                self._pending_crc.append((item, snap))
+                self._pending_crc.append((item, crc))
         if self.tensor_sink is not None and data_name is not None and snap is not None:
             item["data_name"] = data_name
             self.tensor_sink(data_name, snap)
@@ -267,8 +291,11 @@ class StatEngine:
             group = self._groups[key] = _Group(_G_SCALAR if scalar else kind)
         return group
 
-    def _compute(self, t: torch.Tensor) -> _Ref:
-        """Launch the statistics of ``t`` (no host sync); returns a reference resolved at flush."""
+    def _compute(self, t: torch.Tensor, copy: torch.Tensor | None = None) -> _Ref:
+        """Launch the statistics of ``t`` (no host sync); returns a reference resolved at flush.
+
+        ``copy``: a private copy of ``t`` already taken, used instead of a new one where one is needed.
+        """
         dtype = t.dtype
         kind = _KINDS.get(dtype)
         if kind is None:
@@ -282,7 +309,7 @@ class StatEngine:
         if grad_was:
             torch._C._set_grad_enabled(False)
         try:
-            return self._launch(t, kind, numel)
+            return self._launch(t, kind, numel, copy)
         except RuntimeError:
             # an operator this device/dtype lacks: leave the statistics empty rather than break training
             return None
@@ -290,7 +317,7 @@ class StatEngine:
             if grad_was:
                 torch._C._set_grad_enabled(True)
 
-    def _launch(self, t: torch.Tensor, kind: int, numel: int) -> _Ref:
+    def _launch(self, t: torch.Tensor, kind: int, numel: int, copy: torch.Tensor | None) -> _Ref:
         self.computed += 1
         if kind == _K_BOOL:
             group = self._group(t, _G_BOOL, False)
@@ -302,7 +329,8 @@ class StatEngine:
         if t.dim() == 0:
             group = self._group(t, _G_SCALAR, True)
             col = group.cols[0]
-            col.append(_clone(t))  # a copy: the value may be changed in place later (num_batches_tracked)
+            # a copy: the value may be changed in place later (num_batches_tracked)
+            col.append(_clone(t) if copy is None else copy)
             return group, len(col) - 1
         group = self._group(t, _G_COMPLEX if kind == _K_COMPLEX else _G_NUMERIC, False)
         cols = group.cols
@@ -311,7 +339,7 @@ class StatEngine:
         if numel <= _SMALL:
             # small tensors: one copy now, the statistics at flush (on the writer thread); for a handful of
             # elements the operators' fixed cost is the whole cost, so this saves most of it
-            group.deferred.append((row, _clone(t), kind))
+            group.deferred.append((row, _clone(t) if copy is None else copy, kind))
             for col in cols:
                 col.append(None)  # type: ignore[arg-type]
             return group, row
@@ -343,8 +371,8 @@ class StatEngine:
                 item["Norm"] = host[3][row]
             elif kind == _G_COMPLEX:
                 item["Mean"] = group.means[row]
-        for item, snap in self._pending_crc:
-            item["md5"] = crc32_hex(snap.cpu())
+        for item, job in self._pending_crc:
+            item["md5"] = job.result()
         # everything built so far is resolved: start afresh (a later start() in the same step adds to the items)
         self._pending.clear()
         self._pending_crc.clear()

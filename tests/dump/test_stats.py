@@ -177,3 +177,26 @@ def test_tensor_sink_receives_a_private_copy() -> None:
     snapshot = saved["X.forward.input.0.pt"]
     assert torch.equal(snapshot, torch.ones(2, 2)) and snapshot.is_contiguous()
     assert snapshot.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_the_reuse_cache_keeps_no_tensor_alive() -> None:
+    import weakref
+
+    engine = StatEngine()
+    t = torch.randn(1000)
+    engine.item(t, remember=True)
+    alive = weakref.ref(t)
+    del t
+    assert alive() is None  # an activation or gradient is freed when training drops it
+    engine.flush()
+
+
+def test_small_and_large_tensors_give_the_same_statistics() -> None:
+    base = torch.randn(10000, generator=torch.Generator().manual_seed(1))
+    engine = StatEngine()
+    small, large = engine.item(base[:100].clone()), engine.item(base)
+    engine.flush()
+    for item, t in ((small, base[:100]), (large, base)):
+        assert item["Max"] == t.max().item() and item["Min"] == t.min().item()
+        assert item["Mean"] == t.mean().item()
+        assert item["Norm"] == torch.linalg.vector_norm(t).item()
