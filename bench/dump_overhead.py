@@ -176,7 +176,9 @@ def run_config(spec: ModelSpec, config_name: str, workdir: Path) -> Row:
     debugger.close()
     plain = statistics.median(times[False])
     dumped = statistics.median(times[True])
-    last = debugger.step_path(dumped_steps[1])  # a warm-up step (the measured ones may be gone), not the first
+    last = debugger.step_path(
+        dumped_steps[1]
+    )  # a warm-up step (the measured ones may be gone), not the first
     records = len(json.loads((last / "dump.json").read_text())["data"])
     files = statistics.median(waits)
     row = Row(spec.name, config_name, plain * 1e3, dumped * 1e3, dumped / plain, records=records)

@@ -138,9 +138,7 @@ class _Batch:
             current = {n: d[n] for n in names if n in d}
         else:
             current = {n: v for n in names if (v := getattr(owner, n, None)) is not None}
-        if current.keys() != self.originals.keys() or any(
-            self.originals[n] is not v for n, v in current.items()
-        ):
+        if current != self.originals:  # functions compare by identity: one C-level comparison
             self._refresh(current)
         if d is not None:
             d.update(self.wrappers)

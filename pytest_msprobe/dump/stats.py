@@ -50,6 +50,7 @@ _reshape = _TB.reshape
 _view_dtype = _TB.view
 
 _weakref = weakref.ref
+_STRIDED = torch.strided
 _F32 = torch.float32
 _F64 = torch.float64
 _LOW_FLOATS = frozenset({torch.float16, torch.bfloat16})
@@ -222,11 +223,11 @@ class StatEngine:
         self.worker_init = worker_init
         self.tensor_sink = tensor_sink
         self._groups: dict[tuple[torch.dtype, torch.device, bool], _Group] = {}
-        self._pending: list[tuple[dict[str, Any], _Group, int]] = []
+        self._pending: list[tuple[dict[str, Any], tuple[_Group, int]]] = []
         self._pending_crc: list[tuple[dict[str, Any], Future[str]]] = []
         # id(tensor) -> (weak reference to it, version, statistics reference, crc, snapshot); weak, because
         # holding gradients and activations alive would stop the allocator from reusing their memory
-        self._cache: dict[int, tuple[Any, int, _Ref, str | None, torch.Tensor | None]] = {}
+        self._cache: dict[int, tuple[Any, int, _Ref, str | Future[str] | None, torch.Tensor | None]] = {}
         self._cache_size = cache_size
         self.computed = 0  # tensors whose statistics were computed (the others came from the cache)
 
@@ -241,7 +242,7 @@ class StatEngine:
         """
         item: dict[str, Any] = {
             "type": "torch.Tensor",
-            "dtype": dtype_name(t.dtype),
+            "dtype": _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
             "shape": list(t.shape),
             "Max": None,
             "Min": None,
@@ -252,11 +253,13 @@ class StatEngine:
         key = id(t)
         hit = self._cache.get(key)
         version = t._version
+        crc: str | Future[str] | None
+        snap: torch.Tensor | None
         if hit is not None and hit[0]() is t and hit[1] == version:
             ref, crc, snap = hit[2], hit[3], hit[4]
         else:
             snap = None
-            crc: Any = None
+            crc = None
             on_cpu = t.device.type == "cpu"
             if self.tensor_sink is not None or (self.md5 and not on_cpu):
                 # a private copy, taken now: later in-place changes cannot reach the file or the CRC
@@ -265,14 +268,17 @@ class StatEngine:
             if self.md5 and not t.is_meta:
                 # CPU tensors right away, from their own bytes (no copy: it would cost about as much as the CRC);
                 # device tensors from their copy, moved to the host and hashed on a worker thread
-                crc = crc32_hex(t) if on_cpu else _crc_pool(self.worker_init).submit(_crc_of_copy, snap)
+                if on_cpu:
+                    crc = crc32_hex(t)
+                elif snap is not None:
+                    crc = _crc_pool(self.worker_init).submit(_crc_of_copy, snap)
             if remember and self._cache_size:
                 cache = self._cache
                 if len(cache) >= self._cache_size:
                     del cache[next(iter(cache))]
                 cache[key] = (_weakref(t), version, ref, crc, snap)
         if ref is not None:
-            self._pending.append((item, ref[0], ref[1]))
+            self._pending.append((item, ref))
         if self.md5:
             if isinstance(crc, str) or crc is None:
                 item["md5"] = crc
@@ -300,7 +306,7 @@ class StatEngine:
         kind = _KINDS.get(dtype)
         if kind is None:
             kind = _KINDS[dtype] = _kind_of(dtype)
-        if kind == _K_NONE or t.layout is not torch.strided or t.is_meta:
+        if kind == _K_NONE or t.layout is not _STRIDED or t.is_meta:
             return None
         numel = t.numel()
         if numel == 0:
@@ -357,7 +363,7 @@ class StatEngine:
         """Move every group to the host (one transfer per column) and fill the items built so far."""
         for group in self._groups.values():
             group.resolve()
-        for item, group, row in self._pending:
+        for item, (group, row) in self._pending:
             host = group.host
             kind = group.kind
             if kind == _G_SCALAR:

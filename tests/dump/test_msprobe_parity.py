@@ -109,6 +109,13 @@ def test_statistics_l1_matches_msprobe(tmp_path: Path, train: Any) -> None:
     print(report)
     assert total == 190
     assert matched / total >= 0.95, report
+    for step in (0, 1):
+        # the same records share a stack as in msprobe's stack.json (ours has extra names, such as Tensor.clone)
+        theirs = read_dump(MSPROBE_833 / "stat_L1", step, "stack.json")
+        ours = read_dump(tmp_path, step, "stack.json")
+        known = set(read_dump(MSPROBE_833 / "stat_L1", step)["data"])
+        ours_groups = [[n for n in names if n in known] for names, _ in ours.values()]
+        assert [names for names, _ in theirs.values()] == [g for g in ours_groups if g]
 
 
 def test_statistics_mix_matches_msprobe_where_msprobe_is_right(tmp_path: Path, train: Any) -> None:
