@@ -109,27 +109,16 @@ def write_step_files(
     atomic_write_text(folder / CONSTRUCT_JSON, render_mapping({}, None, construct))
 
 
-def atomic_torch_save(tensor: Any, path: Path) -> None:
-    """``torch.save`` through a temporary file and a rename."""
-    import torch
-
-    tmp = _tmp_name(path)
-    try:
-        torch.save(tensor, tmp)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise DumpError(f"{path}: cannot write the tensor file ({exc.strerror or exc})") from exc
-
-
 class TensorWriter:
-    """Saves tensor snapshots to ``folder`` (one ``<name>`` file each) on a background thread.
+    """Saves tensor snapshots as ``folder/<name>`` files, on a background thread, published all at once.
 
-    The training thread only hands over snapshots (copies taken when the record was built); :meth:`join`
-    waits until every file is on disk and re-raises the first error as :class:`DumpError`. At most
-    ``max_pending_bytes`` of snapshots wait in the queue: past that, :meth:`submit` blocks, which bounds the
-    memory a large dump can take.
+    The training thread only hands over snapshots (copies taken when the record was built). Files are saved
+    into a hidden staging folder beside ``folder``; :meth:`join` waits for them and then publishes the staging
+    folder as ``folder`` with one rename (or moves its files in, when ``folder`` exists from an earlier stop in
+    the same step). A crash therefore never leaves a half-written file in ``folder``, and the dump pays one
+    rename per step rather than one per file. Errors are re-raised by :meth:`join` as :class:`DumpError`. At
+    most ``max_pending_bytes`` of snapshots wait in the queue: past that, :meth:`submit` blocks, which bounds
+    the memory a large dump can take.
     """
 
     def __init__(
@@ -140,6 +129,7 @@ class TensorWriter:
         on_thread_start: Callable[[], None] | None = None,
     ) -> None:
         self.folder = folder
+        self.staging = folder.with_name(f".{folder.name}.{os.getpid()}.{id(self):x}.tmp")
         self._on_thread_start = on_thread_start
         self._threaded = threaded
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
@@ -148,22 +138,22 @@ class TensorWriter:
         self._max_pending = max_pending_bytes
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._made_folder = False
+        self._staged = False  # whether the staging folder exists and holds unpublished files
         self.files_written = 0
 
-    def _ensure_folder(self) -> None:
-        if not self._made_folder:
+    def _ensure_staging(self) -> None:
+        if not self._staged:
             try:
-                self.folder.mkdir(parents=True, exist_ok=True)
+                self.staging.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise DumpError(
                     f"{self.folder}: cannot create the tensor folder ({exc.strerror or exc})"
                 ) from exc
-            self._made_folder = True
+            self._staged = True
 
     def submit(self, name: str, tensor: Any) -> None:
         """Queue ``tensor`` (already a private copy) to be saved as ``folder/name``."""
-        self._ensure_folder()
+        self._ensure_staging()
         if not self._threaded:
             self._save(name, tensor)
             return
@@ -180,9 +170,11 @@ class TensorWriter:
         self._queue.put((name, tensor))
 
     def _save(self, name: str, tensor: Any) -> None:
+        import torch
+
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
-        atomic_torch_save(tensor, self.folder / name)
+        torch.save(tensor, self.staging / name)
         self.files_written += 1
 
     def _run(self) -> None:
@@ -206,8 +198,24 @@ class TensorWriter:
                     self._cond.notify_all()
                 self._queue.task_done()
 
+    def _publish(self) -> None:
+        if not self._staged:
+            return
+        try:
+            if not self.folder.exists():
+                os.rename(self.staging, self.folder)
+            else:  # a later stop() in the same step: add the new files to the published ones
+                for path in self.staging.iterdir():
+                    os.replace(path, self.folder / path.name)
+                self.staging.rmdir()
+        except OSError as exc:
+            raise DumpError(
+                f"{self.folder}: cannot publish the tensor files ({exc.strerror or exc})"
+            ) from exc
+        self._staged = False
+
     def join(self) -> None:
-        """Wait for every queued file; raise DumpError if one could not be written."""
+        """Wait for every queued file and publish them; raise DumpError if one could not be written."""
         if self._thread is not None:
             self._queue.join()
         if self._error is not None:
@@ -215,9 +223,10 @@ class TensorWriter:
             if isinstance(error, DumpError):
                 raise error
             raise DumpError(f"{self.folder}: writing a tensor file failed: {error}") from error
+        self._publish()
 
     def close(self) -> None:
-        """Finish the queued files and stop the thread."""
+        """Finish and publish the queued files and stop the thread."""
         try:
             self.join()
         finally:

@@ -66,3 +66,18 @@ def test_tensor_writer_reports_a_failure_on_join(tmp_path: Path) -> None:
     with pytest.raises(DumpError, match="dump_tensor_data"):
         w.submit("x.pt", torch.ones(1))
         w.close()
+
+
+def test_tensor_files_appear_together_when_published(tmp_path: Path) -> None:
+    folder = tmp_path / "step0" / "rank" / "dump_tensor_data"
+    w = writer.TensorWriter(folder)
+    w.submit("a.pt", torch.ones(2))
+    w.submit("b.pt", torch.zeros(2))
+    w._queue.join()
+    assert not folder.exists()  # staged, not yet published: no partial set of files to read
+    w.join()
+    assert sorted(p.name for p in folder.iterdir()) == ["a.pt", "b.pt"]
+    w.submit("c.pt", torch.ones(1))  # a later stop() in the same step adds to the published files
+    w.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["a.pt", "b.pt", "c.pt"]
+    assert [p.name for p in folder.parent.iterdir()] == ["dump_tensor_data"]
