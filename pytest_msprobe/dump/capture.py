@@ -327,7 +327,7 @@ class _ModuleCall:
 class _ModuleBackward:
     """Backward record of one module call: gradients of its outputs in, per-call gradients of its inputs out."""
 
-    __slots__ = ("done", "grads_in", "grads_out", "n_inputs", "name", "parent", "pending", "recorder")
+    __slots__ = ("done", "grads_in", "grads_out", "name", "parent", "pending", "recorder")
 
     def __init__(
         self, recorder: Recorder, name: str, parent: str | None, n_outputs: int, n_inputs: int
@@ -336,8 +336,9 @@ class _ModuleBackward:
         self.name = name
         self.parent = parent
         self.grads_in: list[Any] = [None] * n_outputs  # gradients w.r.t. the module's outputs
-        self.grads_out: list[list[Any]] = [[] for _ in range(n_inputs)]  # contributions per input
-        self.n_inputs = n_inputs
+        # contributions to the gradient of each positional input (inputs needing none stay null); no input
+        # needing a gradient gives an empty list, as msprobe writes
+        self.grads_out: list[list[Any]] = [[] for _ in range(n_inputs)]
         self.pending = 0  # node hooks still to fire
         self.done = False
 
@@ -477,6 +478,7 @@ class Recorder:
             parent = self._parent() if self.with_api_parents else None
             grad = _is_grad_enabled()
             entry: dict[str, Any] | None = None
+            stack: Any = None
             if want_fwd:
                 entry = {}
                 if select.fwd_in:
@@ -488,7 +490,7 @@ class Recorder:
                     finally:
                         if grad:
                             _set_grad_enabled(True)
-                self.stacks.add(fwd, capture_stack(2))
+                stack = capture_stack(2)
             before = _input_nodes(args, kwargs) if want_bwd and grad else None
             out = orig(*args, **kwargs)
             if entry is not None:
@@ -501,6 +503,7 @@ class Recorder:
                         if grad:
                             _set_grad_enabled(True)
                 self.data[fwd] = entry
+                self.stacks.add(fwd, stack)
                 if self.with_api_parents:
                     self.construct[fwd] = parent
             if before is not None:
@@ -689,7 +692,7 @@ class Recorder:
             backward_of(call.fwd),
             None if call.parent is None else _backward_parent(call.parent),
             n_outputs,
-            n_args,
+            n_args if call.input_keys else 0,
         )
         consumers = _find_consumers([n for n, _ in out_nodes.values()], call.input_keys, call.seq)
         record.pending = len(out_nodes) + len(consumers)
@@ -697,8 +700,6 @@ class Recorder:
             self._handles.append(node.register_hook(record.output_hook(slots)))
         for node, slots in consumers:
             self._handles.append(node.register_hook(record.consumer_hook(slots)))
-        # inputs that need no gradient stay null; none at all gives an empty list, as msprobe writes
-        record.grads_out = [[] for _ in range(n_args)] if call.input_keys else []
         self._module_pending.append(record)
 
     def emit_module_backward(self, record: _ModuleBackward) -> None:

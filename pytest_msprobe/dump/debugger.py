@@ -220,6 +220,7 @@ class PrecisionDebugger:
         }
         if self._writer is not None:
             self._writer.join()
+        _sync_devices()  # the copies and statistics launched on the training thread's streams are done
 
         def write_files() -> None:
             engine.flush()
@@ -236,3 +237,13 @@ class PrecisionDebugger:
                 self._writer = None
         self._recorder = None
         self._engine = None
+
+
+def _sync_devices() -> None:
+    """Wait for the current stream of each accelerator in use (once per stop: the writer thread reads the
+    statistics and copies from its own stream, which would not wait for a side stream of the training)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+    npu = getattr(torch, "npu", None)
+    if npu is not None and getattr(npu, "is_initialized", lambda: False)():
+        npu.current_stream().synchronize()

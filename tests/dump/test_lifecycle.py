@@ -112,7 +112,7 @@ def test_context_manager_closes_and_a_closed_debugger_cannot_start(tmp_path: Pat
     with PrecisionDebugger(dump_path=tmp_path, level="L1") as debugger:
         debugger.start()
         F.relu(torch.ones(1))
-    assert not debugger.started and F.relu.__module__ == "torch.nn.functional"
+    assert not debugger.started and not hasattr(F.relu, "__wrapped__")
     assert (tmp_path / "step0" / "rank" / "dump.json").exists()
     with pytest.raises(DumpError, match="closed"):
         debugger.start()
