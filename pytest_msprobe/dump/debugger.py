@@ -4,7 +4,7 @@
     for images, target in loader:
         debugger.start()              # start(model=model) for L0 / mix
         ...forward, loss, zero_grad, backward, optimizer.step()...
-        debugger.stop()               # writes step{N}/rank/{dump,stack,construct}.json
+        debugger.stop()               # step{N}/rank/{dump,stack,construct}.json are written in the background
         debugger.step()
 
 Several debuggers can be used one after another in one process; only one can be started at a time. stop()
@@ -242,7 +242,7 @@ class PrecisionDebugger:
 def _sync_devices() -> None:
     """Wait for the current stream of each accelerator in use (once per stop: the writer thread reads the
     statistics and copies from its own stream, which would not wait for a side stream of the training)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         torch.cuda.current_stream().synchronize()
     npu = getattr(torch, "npu", None)
     if npu is not None and getattr(npu, "is_initialized", lambda: False)():

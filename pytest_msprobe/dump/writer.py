@@ -4,8 +4,9 @@ Layout, as msprobe writes it::
 
     dump_path/step{N}/{rank | rank{R}}/dump.json, stack.json, construct.json[, dump_tensor_data/<row>.pt]
 
-``rank`` when torch.distributed is not initialized, ``rank{R}`` when it is. Every file is written to a temporary
-file in the same folder and renamed over the target, so a crash never leaves a half-written file behind.
+``rank`` when torch.distributed is not initialized, ``rank{R}`` when it is. Each JSON file is written to a
+temporary file in the same folder and renamed over the target; tensor files are saved into a hidden staging
+folder that is renamed to ``dump_tensor_data`` when the step stops. A crash never leaves a half-written file.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def atomic_write_text(path: PathLike, text: str) -> None:
         raise DumpError(f"{target}: cannot write ({exc.strerror or exc})") from exc
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
+# one encoder for every entry (json.dumps with options builds a new one per call); NaN/Infinity are written as
+# msprobe's files have them
+_dumps = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
 
 
 def render_mapping(header: dict[str, Any], key: str | None, entries: dict[str, Any]) -> str:
