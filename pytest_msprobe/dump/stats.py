@@ -50,6 +50,8 @@ _reshape = _TB.reshape
 _view_dtype = _TB.view
 
 _weakref = weakref.ref
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
 _F32 = torch.float32
 _F64 = torch.float64
@@ -240,6 +242,9 @@ class StatEngine:
         gradients, never for inputs that an operator may change without bumping ``_version``, such as
         batch_norm's running statistics).
         """
+        tp = type(t)
+        if (tp is not _Tensor and tp is not _Parameter) or t.is_nested or t.layout is not _STRIDED:
+            return self._special_item(t, data_name)
         item: dict[str, Any] = {
             "type": "torch.Tensor",
             "dtype": _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
@@ -252,7 +257,9 @@ class StatEngine:
         }
         key = id(t)
         hit = self._cache.get(key)
-        version = t._version
+        version = -1 if t.is_inference() else t._version  # inference tensors have no version counter
+        if version < 0:
+            remember = False
         crc: str | Future[str] | None
         snap: torch.Tensor | None
         if hit is not None and hit[0]() is t and hit[1] == version:
@@ -290,6 +297,56 @@ class StatEngine:
             self.tensor_sink(data_name, snap)
         return item
 
+    def _special_item(self, t: torch.Tensor, data_name: str | None) -> dict[str, Any]:
+        """Items of tensors off the fast path: subclasses, sparse and nested tensors.
+
+        A DTensor is described by its local shard, as msprobe does; tensors without data of their own (fake or
+        functional tensors), sparse and nested ones get no statistics (their metadata only), and a copy is saved
+        when tensors are, where the layout allows one.
+        """
+        tp = type(t)
+        local = getattr(t, "to_local", None)
+        if local is not None and tp.__name__ == "DTensor":
+            item = self.item(local(), data_name)
+            item["type"] = "torch.distributed.tensor.DTensor"
+            return item
+        plain_data = not t.is_nested and t.layout is _STRIDED
+        if (
+            tp is not _Tensor
+            and tp is not _Parameter
+            and plain_data
+            and not tp.__module__.startswith("torch._")
+        ):
+            # a user's subclass: its data are ordinary; only its __torch_function__ would see our operators
+            item = self.item(t.as_subclass(_Tensor), data_name)
+            item["requires_grad"] = t.requires_grad
+            return item
+        try:
+            shape: Any = list(t.shape)
+        except RuntimeError:  # nested tensors have no single shape
+            shape = None
+        item = {
+            "type": "torch.Tensor",
+            "dtype": dtype_name(t.dtype),
+            "shape": shape,
+            "Max": None,
+            "Min": None,
+            "Mean": None,
+            "Norm": None,
+            "requires_grad": t.requires_grad,
+        }
+        if self.md5:
+            item["md5"] = None
+        if self.tensor_sink is not None and data_name is not None and not t.is_nested:
+            try:
+                copy = _clone(_detach(t))
+            except RuntimeError:
+                return item
+            if not tp.__module__.startswith("torch._"):
+                item["data_name"] = data_name
+                self.tensor_sink(data_name, copy)
+        return item
+
     def _group(self, t: torch.Tensor, kind: int, scalar: bool) -> _Group:
         key = (t.dtype, t.device, scalar)
         group = self._groups.get(key)
@@ -316,8 +373,7 @@ class StatEngine:
             torch._C._set_grad_enabled(False)
         try:
             return self._launch(t, kind, numel, copy)
-        except RuntimeError:
-            # an operator this device/dtype lacks: leave the statistics empty rather than break training
+        except Exception:  # an operator this device/dtype lacks: no statistics, but training goes on
             return None
         finally:
             if grad_was:

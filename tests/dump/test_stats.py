@@ -200,3 +200,30 @@ def test_small_and_large_tensors_give_the_same_statistics() -> None:
         assert item["Max"] == t.max().item() and item["Min"] == t.min().item()
         assert item["Mean"] == t.mean().item()
         assert item["Norm"] == torch.linalg.vector_norm(t).item()
+
+
+def test_tensors_off_the_fast_path_never_break_the_capture() -> None:
+    import warnings
+
+    with torch.inference_mode():
+        inference = torch.arange(4.0)  # no version counter
+    sparse = torch.eye(3).to_sparse()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+    class Tagged(torch.Tensor):
+        pass
+
+    tagged = torch.tensor([1.0, -2.0]).as_subclass(Tagged)
+    saved: dict[str, torch.Tensor] = {}
+    engine = StatEngine(md5=True, tensor_sink=lambda name, t: saved.__setitem__(name, t))
+    items = [
+        engine.item(t, f"{i}.pt", remember=True) for i, t in enumerate((inference, sparse, nested, tagged))
+    ]
+    engine.flush()
+    assert items[0]["Max"] == 3.0 and items[0]["md5"] == crc32_hex(torch.arange(4.0))
+    assert items[1]["shape"] == [3, 3] and items[1]["Max"] is None and items[1]["md5"] is None
+    assert torch.equal(saved["1.pt"].to_dense(), torch.eye(3))
+    assert items[2]["shape"] is None and items[2]["Max"] is None and "2.pt" not in saved
+    assert (items[3]["Max"], items[3]["Min"]) == (1.0, -2.0) and type(saved["3.pt"]) is torch.Tensor
