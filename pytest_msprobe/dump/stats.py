@@ -276,7 +276,10 @@ class StatEngine:
                 # CPU tensors right away, from their own bytes (no copy: it would cost about as much as the CRC);
                 # device tensors from their copy, moved to the host and hashed on a worker thread
                 if on_cpu:
-                    crc = crc32_hex(t)
+                    try:
+                        crc = crc32_hex(t)
+                    except RuntimeError:  # no plain bytes to hash (a quantized dtype, say): no CRC
+                        crc = None
                 elif snap is not None:
                     crc = _crc_pool(self.worker_init).submit(_crc_of_copy, snap)
             if remember and self._cache_size:
