@@ -459,7 +459,7 @@ class Recorder:
         tls = _tls
         tls.depth += 1
         try:
-            counts = self.counter._counts
+            counts = self.counter.counts
             index = counts.get(api, 0)
             counts[api] = index + 1
             fwd = f"{api}.{index}.{FORWARD}"

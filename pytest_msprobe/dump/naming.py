@@ -34,20 +34,20 @@ PREFIXES: dict[str, str] = {
 class CallCounter:
     """Counts calls per API (or module) name within one step: the ``n`` of every record name."""
 
-    __slots__ = ("_counts",)
+    __slots__ = ("counts",)
 
     def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
+        self.counts: dict[str, int] = {}  # read directly on the API hot path
 
     def next(self, key: str) -> int:
         """Return the index of this call of ``key`` (0 for the first) and advance the count."""
-        counts = self._counts
+        counts = self.counts
         n = counts.get(key, 0)
         counts[key] = n + 1
         return n
 
     def reset(self) -> None:
-        self._counts.clear()
+        self.counts.clear()
 
 
 def api_name(prefix_api: str, index: int, direction: str) -> str:

@@ -35,6 +35,8 @@ _VF: Any = torch._C._VariableFunctions
 _TB: Any = torch._C.TensorBase
 # the C functions themselves: the dump's own computations must not go through the API wrappers
 _aminmax = _VF.aminmax
+_amax = _VF.amax
+_amin = _VF.amin
 _sum = _VF.sum
 _as_tensor = _VF.as_tensor
 _abs = _VF.abs
@@ -158,6 +160,8 @@ _SMALL = 4096
 def _numeric(t: torch.Tensor, kind: int) -> tuple[Any, Any, Any, Any]:
     """Max, min, sum and 2-norm of a non-empty tensor with at least one dimension (no host sync)."""
     if kind in (_K_F32, _K_F64):
+        if t.numel() > _SMALL:  # on large tensors, amax + amin run faster than aminmax
+            return _amax(t), _amin(t), _sum(t), _vector_norm(t)
         mn, mx = _aminmax(t)
         return mx, mn, _sum(t), _vector_norm(t)
     if kind == _K_LOW:
