@@ -34,9 +34,9 @@ def make_dumps() -> ModuleType:
     return _load_make_dumps()
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainResult:
-    """What a training run produced, per step: losses, model outputs, parameter gradients."""
+    """What a training run produced: per step losses, model outputs and parameter gradients; final parameters."""
 
     losses: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
@@ -51,7 +51,8 @@ TrainFn = Callable[..., TrainResult]
 def train(make_dumps: ModuleType) -> TrainFn:
     """Run TinyResNet training steps as make_dumps.py does, optionally around a debugger.
 
-    ``train(debugger=None, steps=2, width=8, batch=8, size=16, pass_model=True, seed=True)``
+    ``train(debugger=None, steps=2, width=8, batch=8, size=16, pass_model=True)``; the debugger is closed at
+    the end, so its files are complete when ``train`` returns.
     """
 
     def run(
@@ -89,9 +90,9 @@ def train(make_dumps: ModuleType) -> TrainFn:
             result.losses.append(loss.detach().clone())
             result.outputs.append(out.detach().clone())
             result.grads.append({n: p.grad.detach().clone() for n, p in net.named_parameters()})
-        result.params = {n: p.detach().clone() for n, p in net.named_parameters()}
+        result.params.update({n: p.detach().clone() for n, p in net.named_parameters()})
         if debugger is not None:
-            debugger.close()  # the files are complete once the debugger is closed
+            debugger.close()
         return result
 
     return run
