@@ -43,6 +43,7 @@ _abs = _VF.abs
 _clone = _VF.clone
 _stack = _VF.stack
 _narrow = _VF.narrow
+_unbind = _VF.unbind
 _div = _VF.div
 _vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]
 _detach = _TB.detach
@@ -128,10 +129,7 @@ class _Group:
         n = len(cols[0])
         if not n:
             return
-        for row, copy, kind in self.deferred:
-            for col, value in zip(cols, _numeric(copy, kind)):
-                col[row] = value
-        self.deferred = []
+        self._resolve_deferred()
         # one stack and one transfer per dtype among the columns (usually all four share it)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for index, col in enumerate(cols):
@@ -150,6 +148,32 @@ class _Group:
             counts = _as_tensor(self.counts, dtype=sums.dtype, device=sums.device)
             # torch.mean is sum / numel in the sum's dtype: the same division, for the whole group at once
             self.means = _div(sums, counts).tolist()
+
+    def _resolve_deferred(self) -> None:
+        """Statistics of the small tensors copied at capture: tensors of one shape are reduced together, row by
+        row (the same reduction, bitwise, as one tensor at a time), so a step's many tiny tensors cost a few
+        operators instead of four each."""
+        cols = self.cols
+        by_shape: dict[tuple[Any, int], list[tuple[int, torch.Tensor]]] = {}
+        for row, copy, kind in self.deferred:
+            by_shape.setdefault((copy.shape, kind), []).append((row, copy))
+        self.deferred = []
+        for (_, kind), members in by_shape.items():
+            if len(members) == 1 or kind not in (_K_F32, _K_F64, _K_LOW):
+                for row, copy in members:
+                    for col, value in zip(cols, _numeric(copy, kind)):
+                        col[row] = value
+                continue
+            rows = _reshape(_stack([copy for _, copy in members]), (len(members), -1))
+            # amax and amin: aminmax along a dimension is many times slower on CPU
+            mx, mn = _amax(rows, 1), _amin(rows, 1)
+            if kind == _K_LOW:
+                results = (mx, mn, _sum(rows, 1, dtype=_F32), _vector_norm(rows, 2, 1, dtype=_F32))
+            else:
+                results = (mx, mn, _sum(rows, 1), _vector_norm(rows, 2, 1))
+            for col, values in zip(cols, results):
+                for (row, _), value in zip(members, _unbind(values)):
+                    col[row] = value
 
 
 _Ref = Optional[tuple[_Group, int]]
