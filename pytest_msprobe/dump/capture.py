@@ -32,7 +32,7 @@ import inspect
 import sys
 import threading
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
 import numpy as np
@@ -77,6 +77,16 @@ _RECORDER: Recorder | None = None
 def _set_recorder(recorder: Recorder | None) -> None:
     global _RECORDER
     _RECORDER = recorder
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """A context in which the calling thread's torch calls are not recorded."""
+    _tls.depth += 1
+    try:
+        yield
+    finally:
+        _tls.depth -= 1
 
 
 def silence_this_thread() -> None:

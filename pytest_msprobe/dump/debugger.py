@@ -11,8 +11,8 @@ Several debuggers can be used one after another in one process; only one can be 
 removes every wrapper and hook it installed; it also works as a context manager (``with PrecisionDebugger(...)
 as debugger:``), which closes it on exit.
 
-stop() hands the step's records to a background thread that resolves the statistics and writes the JSON files
-while training goes on (tensor files of task ``tensor`` are complete when stop() returns). The files are complete
+stop() saves the tensor files of task ``tensor`` (complete when it returns), then hands the step's records to a
+background thread that resolves the statistics and writes the JSON files while training goes on. The files are complete
 after :meth:`PrecisionDebugger.wait` or :meth:`PrecisionDebugger.close` (and at interpreter exit); each is
 written through a temporary file and a rename, so a reader never sees a partial file.
 """
@@ -200,9 +200,7 @@ class PrecisionDebugger:
         config = self.config
         sink = None
         if config.save_tensors:
-            self._writer = TensorWriter(
-                self.step_path() / TENSOR_DIR, on_thread_start=capture.silence_this_thread
-            )
+            self._writer = TensorWriter(self.step_path() / TENSOR_DIR, quiet=capture.quiet)
             sink = self._writer.submit
         self._engine = StatEngine(md5=config.md5, tensor_sink=sink, worker_init=capture.silence_this_thread)
         self._recorder = Recorder(config, self._engine)

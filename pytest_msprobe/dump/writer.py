@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import threading
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -112,38 +112,46 @@ def write_step_files(
 
 
 class TensorWriter:
-    """Saves tensor snapshots as ``folder/<name>`` files, on a background thread, published all at once.
+    """Saves tensor snapshots as ``folder/<name>`` files, all at once when the step stops.
 
-    The training thread only hands over snapshots (copies taken when the record was built). Files are saved
-    into a hidden staging folder beside ``folder``; :meth:`join` waits for them and then publishes the staging
-    folder as ``folder`` with one rename (or moves its files in, when ``folder`` exists from an earlier stop in
-    the same step). A crash therefore never leaves a half-written file in ``folder``, and the dump pays one
-    rename per step rather than one per file. Errors are re-raised by :meth:`join` as :class:`DumpError`. At
-    most ``max_pending_bytes`` of snapshots wait in the queue: past that, :meth:`submit` blocks, which bounds
-    the memory a large dump can take.
+    The training thread hands over snapshots (copies taken when the record was built) while it captures; they
+    are saved by :meth:`join`, on the calling thread, once capture is over: saving beside a capturing thread
+    would make the two fight over the GIL. Past ``max_pending_bytes`` of waiting snapshots, the snapshots are
+    saved right away, which bounds the memory a large dump takes. Files go to a hidden staging folder beside
+    ``folder``, published as ``folder`` with one rename (or moved in, when ``folder`` exists from an earlier stop
+    in the same step): a crash never leaves a half-written file in ``folder``, and the dump pays one rename per
+    step rather than one per file. ``quiet`` returns a context in which torch calls are not recorded (saving
+    while capture is on must not show up in the dump).
     """
 
     def __init__(
         self,
         folder: Path,
         max_pending_bytes: int = 256 * 2**20,
-        threaded: bool = True,
-        on_thread_start: Callable[[], None] | None = None,
+        quiet: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.folder = folder
         self.staging = folder.with_name(f".{folder.name}.{os.getpid()}.{id(self):x}.tmp")
-        self._on_thread_start = on_thread_start
-        self._threaded = threaded
-        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        self._error: BaseException | None = None
+        self._pending: list[tuple[str, Any]] = []
         self._pending_bytes = 0
         self._max_pending = max_pending_bytes
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._quiet = quiet or contextlib.nullcontext
         self._staged = False  # whether the staging folder exists and holds unpublished files
         self.files_written = 0
 
-    def _ensure_staging(self) -> None:
+    def submit(self, name: str, tensor: Any) -> None:
+        """Keep ``tensor`` (already a private copy) to be saved as ``folder/name``."""
+        self._pending.append((name, tensor))
+        self._pending_bytes += int(tensor.numel()) * int(tensor.element_size())
+        if self._pending_bytes > self._max_pending:
+            with self._quiet():
+                self._save_pending()
+
+    def _save_pending(self) -> None:
+        import torch
+
+        if not self._pending:
+            return
         if not self._staged:
             try:
                 self.staging.mkdir(parents=True, exist_ok=True)
@@ -152,53 +160,15 @@ class TensorWriter:
                     f"{self.folder}: cannot create the tensor folder ({exc.strerror or exc})"
                 ) from exc
             self._staged = True
-
-    def submit(self, name: str, tensor: Any) -> None:
-        """Queue ``tensor`` (already a private copy) to be saved as ``folder/name``."""
-        self._ensure_staging()
-        if not self._threaded:
-            self._save(name, tensor)
-            return
-        size = int(tensor.numel()) * int(tensor.element_size())
-        with self._cond:
-            while self._pending_bytes > self._max_pending and self._error is None:
-                self._cond.wait()
-            self._pending_bytes += size
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="pytest-msprobe-tensor-writer", daemon=True
-            )
-            self._thread.start()
-        self._queue.put((name, tensor))
-
-    def _save(self, name: str, tensor: Any) -> None:
-        import torch
-
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        torch.save(tensor, self.staging / name)
-        self.files_written += 1
-
-    def _run(self) -> None:
-        if self._on_thread_start is not None:
-            self._on_thread_start()
-        while True:
-            job = self._queue.get()
-            if job is None:
-                self._queue.task_done()
-                return
-            name, tensor = job
-            size = int(tensor.numel()) * int(tensor.element_size())
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        for name, tensor in pending:
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
             try:
-                if self._error is None:
-                    self._save(name, tensor)
-            except BaseException as exc:  # kept for join(): a writer thread must not die silently
-                self._error = exc
-            finally:
-                with self._cond:
-                    self._pending_bytes -= size
-                    self._cond.notify_all()
-                self._queue.task_done()
+                torch.save(tensor, self.staging / name)
+            except OSError as exc:
+                raise DumpError(f"{self.folder / name}: cannot write ({exc.strerror or exc})") from exc
+            self.files_written += 1
 
     def _publish(self) -> None:
         if not self._staged:
@@ -217,25 +187,14 @@ class TensorWriter:
         self._staged = False
 
     def join(self) -> None:
-        """Wait for every queued file and publish them; raise DumpError if one could not be written."""
-        if self._thread is not None:
-            self._queue.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            if isinstance(error, DumpError):
-                raise error
-            raise DumpError(f"{self.folder}: writing a tensor file failed: {error}") from error
+        """Save every pending snapshot and publish the files; raise DumpError if one could not be written."""
+        with self._quiet():
+            self._save_pending()
         self._publish()
 
     def close(self) -> None:
-        """Finish and publish the queued files and stop the thread."""
-        try:
-            self.join()
-        finally:
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread.join()
-                self._thread = None
+        """Save and publish what is pending."""
+        self.join()
 
 
 class BackgroundJobs:

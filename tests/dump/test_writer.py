@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,24 +49,43 @@ def test_failed_write_keeps_the_previous_file_and_leaves_no_temporary(
     assert [p.name for p in tmp_path.iterdir()] == ["dump.json"]
 
 
-def test_tensor_writer_saves_loadable_files_in_the_background(tmp_path: Path) -> None:
+def test_tensor_writer_saves_loadable_files_when_joined(tmp_path: Path) -> None:
     tensors = {f"T.{i}.forward.input.0.pt": torch.randn(3, i + 1) for i in range(5)}
-    w = writer.TensorWriter(tmp_path / "dump_tensor_data")
+    folder = tmp_path / "dump_tensor_data"
+    w = writer.TensorWriter(folder)
     for name, t in tensors.items():
         w.submit(name, t)
+    assert not folder.exists() and not list(tmp_path.iterdir())  # nothing written while capture runs
     w.close()
     for name, t in tensors.items():
-        loaded = torch.load(tmp_path / "dump_tensor_data" / name, weights_only=True)
+        loaded = torch.load(folder / name, weights_only=True)
         assert torch.equal(loaded, t)
-    assert not [p for p in (tmp_path / "dump_tensor_data").iterdir() if p.name.startswith(".")]
+    assert [p.name for p in tmp_path.iterdir()] == ["dump_tensor_data"]
+
+
+def test_tensor_writer_spills_past_its_memory_budget(tmp_path: Path) -> None:
+    entered: list[bool] = []
+
+    @contextlib.contextmanager
+    def quiet() -> Iterator[None]:
+        entered.append(True)
+        yield
+
+    w = writer.TensorWriter(tmp_path / "dump_tensor_data", max_pending_bytes=100, quiet=quiet)
+    w.submit("small.pt", torch.ones(4))  # 16 bytes: kept
+    assert w.files_written == 0
+    w.submit("big.pt", torch.ones(40))  # 176 bytes pending: both saved now, inside quiet()
+    assert w.files_written == 2 and entered == [True]
+    w.close()
+    assert sorted(p.name for p in (tmp_path / "dump_tensor_data").iterdir()) == ["big.pt", "small.pt"]
 
 
 def test_tensor_writer_reports_a_failure_on_join(tmp_path: Path) -> None:
     blocker = tmp_path / "dump_tensor_data"
     blocker.write_text("a file where the folder should be")
     w = writer.TensorWriter(blocker)
+    w.submit("x.pt", torch.ones(1))
     with pytest.raises(DumpError, match="dump_tensor_data"):
-        w.submit("x.pt", torch.ones(1))
         w.close()
 
 
@@ -73,8 +94,6 @@ def test_tensor_files_appear_together_when_published(tmp_path: Path) -> None:
     w = writer.TensorWriter(folder)
     w.submit("a.pt", torch.ones(2))
     w.submit("b.pt", torch.zeros(2))
-    w._queue.join()
-    assert not folder.exists()  # staged, not yet published: no partial set of files to read
     w.join()
     assert sorted(p.name for p in folder.iterdir()) == ["a.pt", "b.pt"]
     w.submit("c.pt", torch.ones(1))  # a later stop() in the same step adds to the published files
