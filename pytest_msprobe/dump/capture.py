@@ -1,11 +1,7 @@
-"""Capture: API interception (L1), module hooks (L0), backward through autograd hooks.
+"""Capture of one step: the records of APIs (L1) and modules (L0), forward and backward.
 
-**APIs.** On start the functions of ``torch.nn.functional``, ``torch``, ``torch.Tensor`` (methods and operators,
-dunder and in-place included), ``torch._VF`` and ``torch_npu`` (when imported) named in :mod:`.api_lists` are
-replaced by thin wrappers; stop puts the exact originals back (a ``Tensor`` dunder inherited from
-``torch._C.TensorBase`` is deleted again rather than re-set). A wrapper costs one global read when no step is
-being recorded, and a thread-local depth counter keeps calls made inside a captured call (or inside the dump's
-own code) from being recorded again.
+**APIs.** The wrappers of :mod:`.intercept` hand each call to :meth:`Recorder.api_call`, which records the inputs
+(before the call: in-place operators change them), the outputs and the call stack.
 
 **API backward.** After a captured call, a hook is put on the autograd node of each distinct output
 (``out.grad_fn.register_hook``): its ``grad_outputs`` are the record's ``backward.input`` (gradients flowing in)
@@ -21,30 +17,24 @@ graph created during the call). That is the per-call gradient msprobe records th
 hooks, without their identity node, so ``nn.ReLU(inplace=True)`` keeps its backward record. Parameter
 gradients come from ``register_post_accumulate_grad_hook``; their ``parameters_grad`` key is reserved right
 after the module's forward record, as msprobe orders them.
+
+No gradient or activation is kept alive by the capture beyond the hook that records it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import importlib.util
-import inspect
-import sys
-import threading
-import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from pytest_msprobe.dump import api_lists
+from pytest_msprobe.dump.analyze import analyze_other
 from pytest_msprobe.dump.config import DumpConfig
+from pytest_msprobe.dump.intercept import _tls
 from pytest_msprobe.dump.naming import (
     BACKWARD,
     FORWARD,
     OPTIMIZER_NODE,
-    PREFIXES,
     CallCounter,
     backward_of,
     module_base,
@@ -53,7 +43,7 @@ from pytest_msprobe.dump.naming import (
     selected_by_list,
 )
 from pytest_msprobe.dump.stack import StackTable, capture_stack
-from pytest_msprobe.dump.stats import StatEngine, dtype_name
+from pytest_msprobe.dump.stats import StatEngine
 
 _Tensor = torch.Tensor
 _AccumulateGrad: Any = torch._C._functions.AccumulateGrad
@@ -61,192 +51,6 @@ _get_sequence_nr: Callable[[], int] = getattr(torch._C._autograd, "_get_sequence
 _add = torch._C._VariableFunctions.add
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
-
-
-class _Depth(threading.local):
-    """Per-thread nesting depth: > 0 inside a captured call or inside the dump's own code."""
-
-    depth = 0
-
-
-_tls = _Depth()
-# the Recorder of the step being captured, read by every wrapper (None: wrappers call straight through)
-_RECORDER: Recorder | None = None
-
-
-def _set_recorder(recorder: Recorder | None) -> None:
-    global _RECORDER
-    _RECORDER = recorder
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """A context in which the calling thread's torch calls are not recorded."""
-    _tls.depth += 1
-    try:
-        yield
-    finally:
-        _tls.depth -= 1
-
-
-def silence_this_thread() -> None:
-    """Set up one of the dump's own threads: its API calls are never recorded, and build no autograd graph."""
-    _tls.depth = 1
-    _set_grad_enabled(False)
-
-
-# -- interception -------------------------------------------------------------------------------------------------
-
-
-def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        recorder = _RECORDER
-        if recorder is None or _tls.depth:
-            return orig(*args, **kwargs)
-        return recorder.api_call(api, orig, args, kwargs)
-
-    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
-        with contextlib.suppress(AttributeError, TypeError):
-            setattr(wrapper, attr, getattr(orig, attr))
-    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
-    return wrapper
-
-
-class _Batch:
-    """The functions to wrap that live on one object (a module, ``torch.Tensor``, ``torch._VF``).
-
-    Wrappers are built once per original function and reused; install and restore touch a module's dict in one
-    ``update`` and a class's attributes in a tight loop, so a start/stop pair costs well under a millisecond.
-    """
-
-    def __init__(self, owner: Any, names: list[str], apis: list[str]) -> None:
-        self.owner = owner
-        self.names = names
-        self.apis = dict(zip(names, apis))
-        # a plain module: its dict can be updated directly; a class or torch._VF needs setattr/delattr
-        plain_module = isinstance(owner, types.ModuleType) and all(n in owner.__dict__ for n in names)
-        self.module_dict: dict[str, Any] | None = owner.__dict__ if plain_module else None
-        # a Tensor dunder inherited from TensorBase is not in torch.Tensor's own dict: it is deleted on restore
-        self.owned = {n for n in names if n in vars(owner)}
-        self.originals: dict[str, Any] = {}
-        self.wrappers: dict[str, Any] = {}
-
-    def _refresh(self, current: dict[str, Any]) -> None:
-        """Rebuild the wrappers of the functions replaced (or first seen) since the last install."""
-        originals, wrappers, apis = self.originals, self.wrappers, self.apis
-        for name, value in current.items():
-            if originals.get(name) is not value:
-                originals[name] = value
-                wrappers[name] = _make_wrapper(value, apis[name])
-        for name in [n for n in wrappers if n not in current]:
-            del wrappers[name], originals[name]
-
-    def install(self) -> None:
-        owner, names = self.owner, self.names
-        d = self.module_dict
-        if d is not None:
-            current = {n: d[n] for n in names if n in d}
-        else:
-            current = {n: v for n in names if (v := getattr(owner, n, None)) is not None}
-        if current != self.originals:  # functions compare by identity: one C-level comparison
-            self._refresh(current)
-        if d is not None:
-            d.update(self.wrappers)
-        else:
-            for name, wrapper in self.wrappers.items():
-                setattr(owner, name, wrapper)
-
-    def restore(self) -> None:
-        owner, wrappers, originals = self.owner, self.wrappers, self.originals
-        d = self.module_dict
-        if d is not None:
-            # a function replaced by someone else meanwhile keeps their value
-            d.update({n: originals[n] for n, w in wrappers.items() if d.get(n) is w})
-            return
-        own = vars(owner) if isinstance(owner, type) else owner.__dict__
-        owned = self.owned
-        for name, wrapper in wrappers.items():
-            if own.get(name) is not wrapper:
-                continue
-            if name in owned:
-                setattr(owner, name, originals[name])
-            else:
-                delattr(owner, name)
-
-
-# the batches per namespace, resolved once per process (inspect is slow)
-_BATCHES: dict[tuple[str, int], list[_Batch]] = {}
-
-
-def _namespaces() -> list[tuple[str, Any, tuple[str, ...]]]:
-    spaces: list[tuple[str, Any, tuple[str, ...]]] = [
-        ("functional", torch.nn.functional, api_lists.FUNCTIONAL),
-        ("torch", torch, api_lists.TORCH),
-        ("tensor", torch.Tensor, api_lists.TENSOR),
-        ("vf", torch._VF, api_lists.VF),
-    ]
-    npu = sys.modules.get("torch_npu")
-    if npu is not None and importlib.util.find_spec("torch_npu") is not None:
-        spaces.append(("npu", npu, api_lists.NPU))
-    return spaces
-
-
-def _wrappable(owner: Any, attr: str) -> bool:
-    """Whether ``owner.attr`` exists and is a plain callable (not a class, property, static/class method)."""
-    try:
-        static = inspect.getattr_static(owner, attr)
-    except AttributeError:
-        if type(owner).__name__ != "VFModule":  # torch._VF resolves its names dynamically
-            return False
-        static = getattr(owner, attr, None)
-    if static is None or isinstance(static, (staticmethod, classmethod, property, type)):
-        return False
-    return callable(getattr(owner, attr, None))
-
-
-def _batches(key: str, space: Any, names: tuple[str, ...]) -> list[_Batch]:
-    cache_key = (key, id(space))
-    found = _BATCHES.get(cache_key)
-    if found is None:
-        prefix = PREFIXES[key]
-        by_owner: dict[int, tuple[Any, list[str], list[str]]] = {}
-        for dotted in names:
-            owner = space
-            *parents, attr = dotted.split(".")
-            for part in parents:
-                owner = getattr(owner, part, None)
-                if owner is None:
-                    break
-            if owner is not None and _wrappable(owner, attr):
-                slot = by_owner.setdefault(id(owner), (owner, [], []))
-                slot[1].append(attr)
-                slot[2].append(f"{prefix}.{dotted}")
-        found = _BATCHES[cache_key] = [_Batch(o, n, a) for o, n, a in by_owner.values()]
-    return found
-
-
-class ApiPatcher:
-    """Installs the API wrappers and puts the originals back."""
-
-    def __init__(self) -> None:
-        self._installed: list[_Batch] = []
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._installed)
-
-    def install(self) -> None:
-        if self._installed:
-            return
-        for key, space, names in _namespaces():
-            for batch in _batches(key, space, names):
-                batch.install()
-                self._installed.append(batch)
-
-    def uninstall(self) -> None:
-        for batch in reversed(self._installed):
-            batch.restore()
-        self._installed.clear()
 
 
 # -- selection ----------------------------------------------------------------------------------------------------
@@ -440,7 +244,7 @@ class Recorder:
                 k: self.analyze(v, None if name is None else f"{name}.{k}", remember)
                 for k, v in value.items()
             }
-        return _analyze_other(value)
+        return analyze_other(value)
 
     def _analyze_args(self, args: tuple[Any, ...], kwargs: dict[str, Any], prefix: str | None) -> Any:
         if prefix is None:
@@ -908,75 +712,3 @@ def _seq(node: Any) -> int:
         return int(node._sequence_nr())
     except (AttributeError, RuntimeError):
         return 0
-
-
-_MEMORY_FORMATS = {
-    torch.contiguous_format: "contiguous_format",
-    torch.channels_last: "channels_last",
-    torch.channels_last_3d: "channels_last_3d",
-    torch.preserve_format: "preserve_format",
-}
-
-
-def _analyze_other(value: Any) -> Any:
-    """Non-tensor, non-container values, in msprobe's shapes; anything unknown is null."""
-    if isinstance(value, bool):
-        return {"type": "bool", "value": value}
-    if isinstance(value, (int, float, str)):  # subclasses (IntEnum, ...) as their base type
-        base = int if isinstance(value, int) else float if isinstance(value, float) else str
-        return {"type": base.__name__, "value": base(value)}
-    if isinstance(value, torch.dtype):
-        return {"type": "torch.dtype", "value": dtype_name(value)}
-    if isinstance(value, torch.device):
-        return {"type": "torch.device", "value": str(value)}
-    if isinstance(value, torch.memory_format):
-        return {"type": "torch.memory_format", "format": _MEMORY_FORMATS.get(value, str(value))}
-    if isinstance(value, slice):
-        return {"type": "slice", "value": [_slice_part(v) for v in (value.start, value.stop, value.step)]}
-    if value is Ellipsis:
-        return {"type": "ellipsis", "value": "..."}
-    if isinstance(value, np.generic):
-        return {"type": type(value).__name__, "value": value.item()}
-    if isinstance(value, np.ndarray):
-        return _analyze_ndarray(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _analyze_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    return None
-
-
-def _analyze_plain(value: Any) -> Any:
-    """Fields of a dataclass: tensors are not expected there; containers and scalars are kept."""
-    if isinstance(value, (list, tuple)):
-        return [_analyze_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _analyze_plain(v) for k, v in value.items()}
-    if value is None or isinstance(value, _Tensor):
-        return None
-    return _analyze_other(value)
-
-
-def _slice_part(value: Any) -> int | None:
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _analyze_ndarray(array: np.ndarray) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "type": "numpy.ndarray",
-        "dtype": str(array.dtype),
-        "shape": list(array.shape),
-        "Max": None,
-        "Min": None,
-        "Mean": None,
-        "Norm": None,
-    }
-    if array.size and array.dtype.kind in "biuf":
-        out["Max"] = np.max(array).item()
-        out["Min"] = np.min(array).item()
-        out["Mean"] = np.mean(array).item()
-        out["Norm"] = np.linalg.norm(array.astype(np.float64, copy=False)).item()
-    return out

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from pytest_msprobe.dump import capture
-from pytest_msprobe.dump.capture import ApiPatcher, Recorder
+from pytest_msprobe.dump import intercept
+from pytest_msprobe.dump.capture import Recorder
 from pytest_msprobe.dump.config import DumpConfig, build_config
+from pytest_msprobe.dump.intercept import ApiPatcher
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.writer import (
     TENSOR_DIR,
@@ -88,7 +89,7 @@ class PrecisionDebugger:
         self._recorder: Recorder | None = None
         self._engine: StatEngine | None = None
         self._writer: TensorWriter | None = None
-        self._files = BackgroundJobs(on_thread_start=capture.silence_this_thread)
+        self._files = BackgroundJobs(on_thread_start=intercept.silence_this_thread)
         self._started = False
         self._closed = False
 
@@ -128,7 +129,7 @@ class PrecisionDebugger:
             self._patcher.install()
         _STARTED = self
         self._started = True
-        capture._set_recorder(recorder)
+        intercept.set_recorder(recorder)
 
     def stop(self) -> None:
         """Stop capturing, remove every wrapper and hook, and write the step's files (rewritten if resumed)."""
@@ -138,7 +139,7 @@ class PrecisionDebugger:
         self._started = False
         recorder = self._recorder
         try:
-            capture._set_recorder(None)
+            intercept.set_recorder(None)
             self._patcher.uninstall()
             if recorder is not None:
                 recorder.detach()
@@ -200,9 +201,9 @@ class PrecisionDebugger:
         config = self.config
         sink = None
         if config.save_tensors:
-            self._writer = TensorWriter(self.step_path() / TENSOR_DIR, quiet=capture.quiet)
+            self._writer = TensorWriter(self.step_path() / TENSOR_DIR, quiet=intercept.quiet)
             sink = self._writer.submit
-        self._engine = StatEngine(md5=config.md5, tensor_sink=sink, worker_init=capture.silence_this_thread)
+        self._engine = StatEngine(md5=config.md5, tensor_sink=sink, worker_init=intercept.silence_this_thread)
         self._recorder = Recorder(config, self._engine)
 
     def _write(self, recorder: Recorder) -> None:

@@ -113,10 +113,10 @@ def dump_reader() -> Callable[..., Any]:
 def no_leftover_debugger() -> Iterator[None]:
     """Fails a test that leaves API wrappers installed or a debugger started."""
     yield
-    from pytest_msprobe.dump import capture, debugger
+    from pytest_msprobe.dump import debugger, intercept
 
     assert debugger._STARTED is None
-    assert capture._RECORDER is None
+    assert intercept._RECORDER is None
     assert "__add__" not in vars(torch.Tensor)
 
 

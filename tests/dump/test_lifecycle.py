@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pytest_msprobe import PrecisionDebugger
-from pytest_msprobe.dump import capture
+from pytest_msprobe.dump import intercept
 from pytest_msprobe.errors import DumpError
 
 pytestmark = pytest.mark.usefixtures("no_leftover_debugger")
@@ -43,7 +43,7 @@ def test_dumping_does_not_change_the_numbers(tmp_path: Path, train: Any, task: s
 def _wrapped_names() -> list[str]:
     """API names whose current function is one of our wrappers."""
     found = []
-    for batches in capture._BATCHES.values():
+    for batches in intercept._BATCHES.values():
         for batch in batches:
             for name, wrapper in batch.wrappers.items():
                 if getattr(batch.owner, name, None) is wrapper:
@@ -148,7 +148,7 @@ def test_the_dumps_own_threads_are_not_recorded(tmp_path: Path) -> None:
     done = threading.Event()
 
     def silenced() -> None:
-        capture.silence_this_thread()
+        intercept.silence_this_thread()
         torch.ones(3).sum()
         done.set()
 
