@@ -45,12 +45,13 @@ import torch  # noqa: E402
 
 from pytest_msprobe import PrecisionDebugger, seed_all  # noqa: E402
 
-CONFIGS = {
-    "statistics_L1": {"task": "statistics", "level": "L1"},
-    "statistics_L0": {"task": "statistics", "level": "L0"},
-    "statistics_mix": {"task": "statistics", "level": "mix"},
-    "md5_L1": {"task": "md5", "level": "L1"},
-    "tensor_L1": {"task": "tensor", "level": "L1"},
+# configuration name -> (task, level)
+CONFIGS: dict[str, tuple[str, str]] = {
+    "statistics_L1": ("statistics", "L1"),
+    "statistics_L0": ("statistics", "L0"),
+    "statistics_mix": ("statistics", "mix"),
+    "md5_L1": ("md5", "L1"),
+    "tensor_L1": ("tensor", "L1"),
 }
 
 
@@ -147,11 +148,12 @@ def run_config(spec: ModelSpec, config_name: str, workdir: Path) -> Row:
     total_pairs = spec.warmup + spec.pairs
     dump_path = workdir / config_name
     dumped_steps = [2 * i for i in range(total_pairs)]
-    debugger = PrecisionDebugger(dump_path=dump_path, step=dumped_steps, **CONFIGS[config_name])
+    task, level = CONFIGS[config_name]
+    debugger = PrecisionDebugger(dump_path=dump_path, task=task, level=level, step=dumped_steps)
     times: dict[bool, list[float]] = {True: [], False: []}
     waits: list[float] = []
     saves: list[float] = []
-    saving = CONFIGS[config_name]["task"] == "tensor"
+    saving = task == "tensor"
     for step in range(2 * total_pairs):
         x, y = spec.batch(step)
         start = time.perf_counter()
