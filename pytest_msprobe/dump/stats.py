@@ -1,0 +1,477 @@
+"""Tensor statistics computed on the tensor's device, moved to the host once per step.
+
+For every tensor a record mentions, the engine builds msprobe's JSON item (``type``, ``dtype``, ``shape``,
+``Max``, ``Min``, ``Mean``, ``Norm``, ``requires_grad`` [, ``md5``] [, ``data_name``]) with the four statistics
+left as placeholders. The statistics themselves are 0-d tensors on the tensor's device, appended to per
+(dtype, device) buckets; :meth:`StatEngine.flush` stacks each bucket and moves it to the host in one transfer,
+then fills the placeholders. Nothing here calls ``.item()``, ``bool()`` or ``.tolist()`` per tensor.
+
+What msprobe writes, reproduced here:
+
+- floating tensors: Max/Min of the data, Mean and Norm (2-norm); float16/bfloat16 are accumulated in float32,
+  float64 stays float64;
+- integer tensors: Max/Min exact, Mean/Norm of the values cast to float32;
+- 0-d tensors: Max = Min = Mean = Norm = the value (an int stays an int, a negative "Norm" is what msprobe writes);
+- bool tensors: Max = any, Min = all, Mean = Norm = null;
+- complex tensors: Max/Min/Mean of the absolute values, Norm null;
+- empty (and meta) tensors: all four null.
+
+A small cache keyed on the tensor object (held weakly, checked against ``t._version``) reuses the statistics
+of a tensor seen again unchanged: an API's output is usually the next API's input, and a gradient flowing out of
+one node flows into the next.
+"""
+
+from __future__ import annotations
+
+import weakref
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+
+_VF: Any = torch._C._VariableFunctions
+_TB: Any = torch._C.TensorBase
+# the C functions themselves: the dump's own computations must not go through the API wrappers
+_aminmax = _VF.aminmax
+_amax = _VF.amax
+_amin = _VF.amin
+_sum = _VF.sum
+_as_tensor = _VF.as_tensor
+_abs = _VF.abs
+_clone = _VF.clone
+_stack = _VF.stack
+_narrow = _VF.narrow
+_unbind = _VF.unbind
+_div = _VF.div
+_vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]
+_detach = _TB.detach
+_to = _TB.to
+_contiguous = _TB.contiguous
+_reshape = _TB.reshape
+_view_dtype = _TB.view
+
+_weakref = weakref.ref
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
+_F32 = torch.float32
+_F64 = torch.float64
+_LOW_FLOATS = frozenset({torch.float16, torch.bfloat16})
+_INTS = frozenset(
+    {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+    | {getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)}
+)
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
+
+# kinds of tensors, by how their statistics are computed
+_K_F32, _K_LOW, _K_F64, _K_INT, _K_BOOL, _K_COMPLEX, _K_CAST, _K_NONE = range(8)
+
+
+def _kind_of(dtype: torch.dtype) -> int:
+    if dtype is _F32:
+        return _K_F32
+    if dtype in _LOW_FLOATS:
+        return _K_LOW
+    if dtype is _F64:
+        return _K_F64
+    if dtype in _INTS:
+        return _K_INT
+    if dtype is torch.bool:
+        return _K_BOOL
+    if dtype in _COMPLEX:
+        return _K_COMPLEX
+    if dtype.is_floating_point:  # float8 variants and other exotic floats: computed in float32
+        return _K_CAST
+    return _K_NONE  # quantized and the like: no statistics
+
+
+_KINDS: dict[torch.dtype, int] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"torch.float32"`` (cached)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
+# what a group's columns hold
+_G_NUMERIC = 0  # max, min, sum, norm (Mean = sum / count, computed at flush as torch.mean does)
+_G_BOOL = 1  # max (any), min (all)
+_G_COMPLEX = 2  # max, min, sum of the absolute values; no Norm
+_G_SCALAR = 3  # the value of a 0-d tensor: all four statistics
+
+
+class _Group:
+    """Statistics of the tensors of one dtype on one device: one row per tensor, one list per column.
+
+    Columns are stacked and moved to the host once each at flush.
+    """
+
+    __slots__ = ("cols", "counts", "deferred", "host", "kind", "means")
+
+    def __init__(self, kind: int) -> None:
+        self.kind = kind
+        width = 1 if kind == _G_SCALAR else 2 if kind == _G_BOOL else 3 if kind == _G_COMPLEX else 4
+        self.cols: list[list[torch.Tensor]] = [[] for _ in range(width)]
+        self.counts: list[int] = []
+        # (row, private copy, kind) of small tensors whose statistics are computed at flush
+        self.deferred: list[tuple[int, torch.Tensor, int]] = []
+        self.host: list[list[Any]] = []
+        self.means: list[Any] = []
+
+    def resolve(self) -> None:
+        cols = self.cols
+        n = len(cols[0])
+        if not n:
+            return
+        self._resolve_deferred()
+        # one stack and one transfer per dtype among the columns (usually all four share it)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index, col in enumerate(cols):
+            by_dtype.setdefault(col[0].dtype, []).append(index)
+        host: list[list[Any]] = [[] for _ in cols]
+        sums: torch.Tensor | None = None
+        for indices in by_dtype.values():
+            stacked = _stack([t for i in indices for t in cols[i]])
+            values = stacked.tolist()
+            for k, i in enumerate(indices):
+                host[i] = values[k * n : (k + 1) * n]
+                if i == 2:
+                    sums = _narrow(stacked, 0, k * n, n)
+        self.host = host
+        if sums is not None and self.kind in (_G_NUMERIC, _G_COMPLEX):
+            counts = _as_tensor(self.counts, dtype=sums.dtype, device=sums.device)
+            # torch.mean is sum / numel in the sum's dtype: the same division, for the whole group at once
+            self.means = _div(sums, counts).tolist()
+
+    def _resolve_deferred(self) -> None:
+        """Statistics of the small tensors copied at capture: tensors of one shape are reduced together, row by
+        row (the same reduction, bitwise, as one tensor at a time), so a step's many tiny tensors cost a few
+        operators instead of four each."""
+        cols = self.cols
+        by_shape: dict[tuple[Any, int], list[tuple[int, torch.Tensor]]] = {}
+        for row, copy, kind in self.deferred:
+            by_shape.setdefault((copy.shape, kind), []).append((row, copy))
+        self.deferred = []
+        for (_, kind), members in by_shape.items():
+            if len(members) == 1 or kind not in (_K_F32, _K_F64, _K_LOW):
+                for row, copy in members:
+                    for col, value in zip(cols, _numeric(copy, kind)):
+                        col[row] = value
+                continue
+            rows = _reshape(_stack([copy for _, copy in members]), (len(members), -1))
+            # amax and amin: aminmax along a dimension is many times slower on CPU
+            mx, mn = _amax(rows, 1), _amin(rows, 1)
+            if kind == _K_LOW:
+                results = (mx, mn, _sum(rows, 1, dtype=_F32), _vector_norm(rows, 2, 1, dtype=_F32))
+            else:
+                results = (mx, mn, _sum(rows, 1), _vector_norm(rows, 2, 1))
+            for col, values in zip(cols, results):
+                for (row, _), value in zip(members, _unbind(values)):
+                    col[row] = value
+
+
+_Ref = Optional[tuple[_Group, int]]
+# tensors of at most this many elements are copied when seen and reduced at flush
+_SMALL = 4096
+
+
+def _numeric(t: torch.Tensor, kind: int) -> tuple[Any, Any, Any, Any]:
+    """Max, min, sum and 2-norm of a non-empty tensor with at least one dimension (no host sync)."""
+    if kind in (_K_F32, _K_F64):
+        if t.numel() > _SMALL:  # on large tensors, amax + amin run faster than aminmax
+            return _amax(t), _amin(t), _sum(t), _vector_norm(t)
+        mn, mx = _aminmax(t)
+        return mx, mn, _sum(t), _vector_norm(t)
+    if kind == _K_LOW:
+        mn, mx = _aminmax(t)
+        return mx, mn, _sum(t, dtype=_F32), _vector_norm(t, dtype=_F32)
+    if kind == _K_INT:
+        mn, mx = _aminmax(t)  # exact, in the integer dtype
+        as_float = _to(t, _F32)
+        return mx, mn, _sum(as_float), _vector_norm(as_float)
+    if kind == _K_COMPLEX:
+        mag = _abs(t)
+        mn, mx = _aminmax(mag)
+        return mx, mn, _sum(mag), None
+    as_float = _to(t, _F32)  # _K_CAST: float8 and other exotic floats, in float32
+    mn, mx = _aminmax(as_float)
+    return mx, mn, _sum(as_float), _vector_norm(as_float)
+
+
+def crc32_hex(t: torch.Tensor) -> str:
+    """CRC32 of a CPU tensor's bytes in row-major order, as 8 hex digits (msprobe's "md5" field)."""
+    data = _contiguous(_detach(t))
+    if data.is_conj():
+        data = data.resolve_conj()
+    if data.is_neg():
+        data = data.resolve_neg()
+    if data.numel() == 0:
+        return f"{zlib.crc32(b''):08x}"
+    raw = _view_dtype(_reshape(data, (-1,)), torch.uint8)
+    return f"{zlib.crc32(raw.numpy()):08x}"
+
+
+def _crc_of_copy(copy: torch.Tensor) -> str:
+    return crc32_hex(copy if copy.device.type == "cpu" else copy.cpu())
+
+
+_CRC_POOL: ThreadPoolExecutor | None = None
+
+
+def _crc_pool(worker_init: Callable[[], None] | None) -> ThreadPoolExecutor:
+    """One worker thread per process for CRC32s: they run beside training on private copies."""
+    global _CRC_POOL
+    if _CRC_POOL is None:
+        _CRC_POOL = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pytest-msprobe-crc", initializer=worker_init
+        )
+    return _CRC_POOL
+
+
+class StatEngine:
+    """Builds tensor items for one step and resolves their statistics at :meth:`flush`.
+
+    ``md5``: add a CRC32 of each tensor, from a snapshot taken when the item is built. ``tensor_sink``: when
+    given (task ``tensor``), it receives ``(data_name, snapshot)`` for every tensor item, the snapshot being a
+    contiguous copy taken at that moment (so later in-place changes do not reach the file).
+    """
+
+    def __init__(
+        self,
+        md5: bool = False,
+        tensor_sink: Callable[[str, torch.Tensor], None] | None = None,
+        cache_size: int = 64,
+        worker_init: Callable[[], None] | None = None,
+    ) -> None:
+        self.md5 = md5
+        self.worker_init = worker_init
+        self.tensor_sink = tensor_sink
+        self._groups: dict[tuple[torch.dtype, torch.device, bool], _Group] = {}
+        self._pending: list[tuple[dict[str, Any], tuple[_Group, int]]] = []
+        self._pending_crc: list[tuple[dict[str, Any], Future[str]]] = []
+        # id(tensor) -> (weak reference to it, version, statistics reference, crc, snapshot); weak, because
+        # holding gradients and activations alive would stop the allocator from reusing their memory
+        self._cache: dict[int, tuple[Any, int, _Ref, str | Future[str] | None, torch.Tensor | None]] = {}
+        self._cache_size = cache_size
+        self.computed = 0  # tensors whose statistics were computed (the others came from the cache)
+
+    # -- building items -------------------------------------------------------------------------------------
+
+    def item(self, t: torch.Tensor, data_name: str | None = None, remember: bool = False) -> dict[str, Any]:
+        """The JSON item of tensor ``t``; its statistics are filled in at :meth:`flush`.
+
+        ``remember``: keep the results for a later item of the same, unchanged tensor (use it for outputs and
+        gradients, never for inputs that an operator may change without bumping ``_version``, such as
+        batch_norm's running statistics).
+        """
+        tp = type(t)
+        if (tp is not _Tensor and tp is not _Parameter) or t.is_nested or t.layout is not _STRIDED:
+            return self._special_item(t, data_name)
+        item: dict[str, Any] = {
+            "type": "torch.Tensor",
+            "dtype": _DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "Max": None,
+            "Min": None,
+            "Mean": None,
+            "Norm": None,
+            "requires_grad": t.requires_grad,
+        }
+        key = id(t)
+        hit = self._cache.get(key)
+        version = -1 if t.is_inference() else t._version  # inference tensors have no version counter
+        if version < 0:
+            remember = False
+        crc: str | Future[str] | None
+        snap: torch.Tensor | None
+        if hit is not None and hit[0]() is t and hit[1] == version:
+            ref, crc, snap = hit[2], hit[3], hit[4]
+        else:
+            snap = None
+            crc = None
+            on_cpu = t.device.type == "cpu"
+            if self.tensor_sink is not None or (self.md5 and not on_cpu):
+                # a private copy, taken now: later in-place changes cannot reach the file or the CRC
+                snap = _clone(_detach(t), memory_format=torch.contiguous_format)
+            ref = self._compute(t, snap)
+            if self.md5 and not t.is_meta:
+                # CPU tensors right away, from their own bytes (no copy: it would cost about as much as the CRC);
+                # device tensors from their copy, moved to the host and hashed on a worker thread
+                if on_cpu:
+                    try:
+                        crc = crc32_hex(t)
+                    except RuntimeError:  # no plain bytes to hash (a quantized dtype, say): no CRC
+                        crc = None
+                elif snap is not None:
+                    crc = _crc_pool(self.worker_init).submit(_crc_of_copy, snap)
+            if remember and self._cache_size:
+                cache = self._cache
+                if len(cache) >= self._cache_size:
+                    del cache[next(iter(cache))]
+                cache[key] = (_weakref(t), version, ref, crc, snap)
+        if ref is not None:
+            self._pending.append((item, ref))
+        if self.md5:
+            if isinstance(crc, str) or crc is None:
+                item["md5"] = crc
+            else:
+                item["md5"] = None
+                self._pending_crc.append((item, crc))
+        if self.tensor_sink is not None and data_name is not None and snap is not None:
+            item["data_name"] = data_name
+            self.tensor_sink(data_name, snap)
+        return item
+
+    def _special_item(self, t: torch.Tensor, data_name: str | None) -> dict[str, Any]:
+        """Items of tensors off the fast path: subclasses, sparse and nested tensors.
+
+        A DTensor is described by its local shard, as msprobe does; tensors without data of their own (fake or
+        functional tensors), sparse and nested ones get no statistics (their metadata only), and a copy is saved
+        when tensors are, where the layout allows one.
+        """
+        tp = type(t)
+        local = getattr(t, "to_local", None)
+        if local is not None and tp.__name__ == "DTensor":
+            item = self.item(local(), data_name)
+            item["type"] = "torch.distributed.tensor.DTensor"
+            return item
+        plain_data = not t.is_nested and t.layout is _STRIDED
+        if (
+            tp is not _Tensor
+            and tp is not _Parameter
+            and plain_data
+            and not tp.__module__.startswith("torch._")
+        ):
+            # a user's subclass: its data are ordinary; only its __torch_function__ would see our operators
+            item = self.item(t.as_subclass(_Tensor), data_name)
+            item["requires_grad"] = t.requires_grad
+            return item
+        try:
+            shape: Any = list(t.shape)
+        except RuntimeError:  # nested tensors have no single shape
+            shape = None
+        item = {
+            "type": "torch.Tensor",
+            "dtype": dtype_name(t.dtype),
+            "shape": shape,
+            "Max": None,
+            "Min": None,
+            "Mean": None,
+            "Norm": None,
+            "requires_grad": t.requires_grad,
+        }
+        if self.md5:
+            item["md5"] = None
+        if self.tensor_sink is not None and data_name is not None and not t.is_nested:
+            try:
+                copy = _clone(_detach(t))
+            except RuntimeError:
+                return item
+            if not tp.__module__.startswith("torch._"):
+                item["data_name"] = data_name
+                self.tensor_sink(data_name, copy)
+        return item
+
+    def _group(self, t: torch.Tensor, kind: int, scalar: bool) -> _Group:
+        key = (t.dtype, t.device, scalar)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(_G_SCALAR if scalar else kind)
+        return group
+
+    def _compute(self, t: torch.Tensor, copy: torch.Tensor | None = None) -> _Ref:
+        """Launch the statistics of ``t`` (no host sync); returns a reference resolved at flush.
+
+        ``copy``: a private copy of ``t`` already taken, used instead of a new one where one is needed.
+        """
+        dtype = t.dtype
+        kind = _KINDS.get(dtype)
+        if kind is None:
+            kind = _KINDS[dtype] = _kind_of(dtype)
+        if kind == _K_NONE or t.layout is not _STRIDED or t.is_meta:
+            return None
+        numel = t.numel()
+        if numel == 0:
+            return None
+        grad_was = torch.is_grad_enabled()
+        if grad_was:
+            torch._C._set_grad_enabled(False)
+        try:
+            return self._launch(t, kind, numel, copy)
+        except Exception:  # an operator this device/dtype lacks: no statistics, but training goes on
+            return None
+        finally:
+            if grad_was:
+                torch._C._set_grad_enabled(True)
+
+    def _launch(self, t: torch.Tensor, kind: int, numel: int, copy: torch.Tensor | None) -> _Ref:
+        self.computed += 1
+        if kind == _K_BOOL:
+            group = self._group(t, _G_BOOL, False)
+            mn, mx = _aminmax(t)  # max = any, min = all
+            cols = group.cols
+            cols[0].append(mx)
+            cols[1].append(mn)
+            return group, len(cols[0]) - 1
+        if t.dim() == 0:
+            group = self._group(t, _G_SCALAR, True)
+            col = group.cols[0]
+            # a copy: the value may be changed in place later (num_batches_tracked)
+            col.append(_clone(t) if copy is None else copy)
+            return group, len(col) - 1
+        group = self._group(t, _G_COMPLEX if kind == _K_COMPLEX else _G_NUMERIC, False)
+        cols = group.cols
+        row = len(cols[0])
+        group.counts.append(numel)
+        if numel <= _SMALL:
+            # small tensors: one copy now, the statistics at flush (on the writer thread); for a handful of
+            # elements the operators' fixed cost is the whole cost, so this saves most of it
+            group.deferred.append((row, _clone(t) if copy is None else copy, kind))
+            for col in cols:
+                col.append(None)  # type: ignore[arg-type]
+            return group, row
+        mx, mn, s, norm = _numeric(t, kind)
+        cols[0].append(mx)
+        cols[1].append(mn)
+        cols[2].append(s)
+        if norm is not None:
+            cols[3].append(norm)
+        return group, row
+
+    # -- resolving --------------------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Move every group to the host (one transfer per column) and fill the items built so far."""
+        for group in self._groups.values():
+            group.resolve()
+        for item, (group, row) in self._pending:
+            host = group.host
+            kind = group.kind
+            if kind == _G_SCALAR:
+                value = host[0][row]
+                item["Max"] = item["Min"] = item["Mean"] = item["Norm"] = value
+                continue
+            item["Max"] = host[0][row]
+            item["Min"] = host[1][row]
+            if kind == _G_NUMERIC:
+                item["Mean"] = group.means[row]
+                item["Norm"] = host[3][row]
+            elif kind == _G_COMPLEX:
+                item["Mean"] = group.means[row]
+        for item, job in self._pending_crc:
+            item["md5"] = job.result()
+        # everything built so far is resolved: start afresh (a later start() in the same step adds to the items)
+        self._pending.clear()
+        self._pending_crc.clear()
+        self._groups.clear()
+        self._cache.clear()
+
+    def clear_cache(self) -> None:
+        """Drop the reuse cache (and the tensors it keeps alive)."""
+        self._cache.clear()

@@ -1,0 +1,242 @@
+"""Writing a step's dump: the folder layout, atomic files, tensor files off the training thread.
+
+Layout, as msprobe writes it::
+
+    dump_path/step{N}/{rank | rank{R}}/dump.json, stack.json, construct.json[, dump_tensor_data/<row>.pt]
+
+``rank`` when torch.distributed is not initialized, ``rank{R}`` when it is. Each JSON file is written to a
+temporary file in the same folder and renamed over the target; tensor files are saved into a hidden staging
+folder that is renamed to ``dump_tensor_data`` when the step stops. A crash never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Callable
+
+from pytest_msprobe.errors import DumpError, PathLike
+
+DUMP_JSON = "dump.json"
+STACK_JSON = "stack.json"
+CONSTRUCT_JSON = "construct.json"
+TENSOR_DIR = "dump_tensor_data"
+
+
+def rank_dir_name() -> str:
+    """``rank{R}`` under an initialized torch.distributed, else ``rank``."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch built without distributed support
+        return "rank"
+    if dist.is_available() and dist.is_initialized():
+        return f"rank{dist.get_rank()}"
+    return "rank"
+
+
+def current_rank() -> int:
+    """The process's rank (0 outside torch.distributed)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return 0
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return 0
+
+
+def step_dir(dump_path: PathLike, step: int) -> Path:
+    """``dump_path/step{N}/{rank dir}``."""
+    return Path(dump_path) / f"step{step}" / rank_dir_name()
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+def atomic_write_text(path: PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
+    target = Path(path)
+    tmp = _tmp_name(target)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise DumpError(f"{target}: cannot write ({exc.strerror or exc})") from exc
+
+
+# one encoder for every entry (json.dumps with options builds a new one per call); NaN/Infinity are written as
+# msprobe's files have them
+_dumps = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
+
+
+def render_mapping(header: dict[str, Any], key: str | None, entries: dict[str, Any]) -> str:
+    """JSON text with one entry of ``entries`` per line: readable, diffable, and fast (C encoder per entry).
+
+    With ``key``, ``entries`` is nested under ``header[key]``; without, ``entries`` is the whole object.
+    """
+    parts = ["{\n"]
+    items = [f" {_dumps(k)}: {_dumps(v)}" for k, v in header.items()]
+    if key is not None:
+        body = ",\n".join(f"  {_dumps(k)}: {_dumps(v)}" for k, v in entries.items())
+        items.append(f" {_dumps(key)}: {{\n{body}\n }}" if body else f" {_dumps(key)}: {{}}")
+    else:
+        items.extend(f" {_dumps(k)}: {_dumps(v)}" for k, v in entries.items())
+    parts.append(",\n".join(items))
+    parts.append("\n}\n")
+    return "".join(parts)
+
+
+def write_step_files(
+    folder: Path,
+    header: dict[str, Any],
+    data: dict[str, Any],
+    stack: dict[str, Any],
+    construct: dict[str, Any],
+) -> None:
+    """Write dump.json, stack.json and construct.json of one step into ``folder`` (created if needed)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DumpError(f"{folder}: cannot create the dump folder ({exc.strerror or exc})") from exc
+    atomic_write_text(folder / DUMP_JSON, render_mapping(header, "data", data))
+    atomic_write_text(folder / STACK_JSON, render_mapping({}, None, stack))
+    atomic_write_text(folder / CONSTRUCT_JSON, render_mapping({}, None, construct))
+
+
+class TensorWriter:
+    """Saves tensor snapshots as ``folder/<name>`` files, all at once when the step stops.
+
+    The training thread hands over snapshots (copies taken when the record was built) while it captures; they
+    are saved by :meth:`join`, on the calling thread, once capture is over: saving beside a capturing thread
+    would make the two fight over the GIL. Past ``max_pending_bytes`` of waiting snapshots, the snapshots are
+    saved right away, which bounds the memory a large dump takes. Files go to a hidden staging folder beside
+    ``folder``, published as ``folder`` with one rename (or moved in, when ``folder`` exists from an earlier stop
+    in the same step): a crash never leaves a half-written file in ``folder``, and the dump pays one rename per
+    step rather than one per file. ``quiet`` returns a context in which torch calls are not recorded (saving
+    while capture is on must not show up in the dump).
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        max_pending_bytes: int = 256 * 2**20,
+        quiet: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> None:
+        self.folder = folder
+        self.staging = folder.with_name(f".{folder.name}.{os.getpid()}.{id(self):x}.tmp")
+        self._pending: list[tuple[str, Any]] = []
+        self._pending_bytes = 0
+        self._max_pending = max_pending_bytes
+        self._quiet = quiet or contextlib.nullcontext
+        self._staged = False  # whether the staging folder exists and holds unpublished files
+        self.files_written = 0
+
+    def submit(self, name: str, tensor: Any) -> None:
+        """Keep ``tensor`` (already a private copy) to be saved as ``folder/name``."""
+        self._pending.append((name, tensor))
+        self._pending_bytes += int(tensor.numel()) * int(tensor.element_size())
+        if self._pending_bytes > self._max_pending:
+            with self._quiet():
+                self._save_pending()
+
+    def _save_pending(self) -> None:
+        import torch
+
+        if not self._pending:
+            return
+        if not self._staged:
+            try:
+                self.staging.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise DumpError(
+                    f"{self.folder}: cannot create the tensor folder ({exc.strerror or exc})"
+                ) from exc
+            self._staged = True
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        for name, tensor in pending:
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()
+            try:
+                torch.save(tensor, self.staging / name)
+            except OSError as exc:
+                raise DumpError(f"{self.folder / name}: cannot write ({exc.strerror or exc})") from exc
+            self.files_written += 1
+
+    def _publish(self) -> None:
+        if not self._staged:
+            return
+        try:
+            if not self.folder.exists():
+                os.rename(self.staging, self.folder)
+            else:  # a later stop() in the same step: add the new files to the published ones
+                for path in self.staging.iterdir():
+                    os.replace(path, self.folder / path.name)
+                self.staging.rmdir()
+        except OSError as exc:
+            raise DumpError(
+                f"{self.folder}: cannot publish the tensor files ({exc.strerror or exc})"
+            ) from exc
+        self._staged = False
+
+    def join(self) -> None:
+        """Save every pending snapshot and publish the files; raise DumpError if one could not be written."""
+        with self._quiet():
+            self._save_pending()
+        self._publish()
+
+    def close(self) -> None:
+        """Save and publish what is pending."""
+        self.join()
+
+
+class BackgroundJobs:
+    """Runs jobs one at a time on a background thread (a step's JSON files), surfacing errors later.
+
+    The thread is not a daemon: the interpreter waits for the files before it exits. :meth:`wait` blocks until
+    the current job is done and raises :class:`DumpError` if a job failed; :meth:`check` raises without waiting.
+    """
+
+    def __init__(self, on_thread_start: Callable[[], None] | None = None) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._on_thread_start = on_thread_start
+
+    def submit(self, job: Any) -> None:
+        self.wait()  # one at a time, in order: a later step's files never overtake an earlier one's
+        thread = threading.Thread(target=self._run, args=(job,), name="pytest-msprobe-writer")
+        self._thread = thread
+        thread.start()
+
+    def _run(self, job: Any) -> None:
+        try:
+            if self._on_thread_start is not None:
+                self._on_thread_start()
+            job()
+        except BaseException as exc:  # kept for wait(): a failed write must not go unnoticed
+            self._error = exc
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Raise the error of a finished job, if any (does not wait)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, DumpError):
+                raise error
+            raise DumpError(f"writing the dump failed: {error}") from error
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()

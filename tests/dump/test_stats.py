@@ -1,0 +1,229 @@
+"""The statistics engine: msprobe's statistics per dtype, resolved in one transfer, reused when unchanged."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_msprobe.dump.stats import StatEngine, crc32_hex
+
+
+def _stats(t: torch.Tensor, **engine_kwargs: Any) -> dict[str, Any]:
+    engine = StatEngine(**engine_kwargs)
+    item = engine.item(t)
+    engine.flush()
+    return item
+
+
+def test_float32_item_has_msprobe_fields_and_torch_values() -> None:
+    t = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    item = _stats(t)
+    assert list(item) == ["type", "dtype", "shape", "Max", "Min", "Mean", "Norm", "requires_grad"]
+    assert item["type"] == "torch.Tensor"
+    assert item["dtype"] == "torch.float32"
+    assert item["shape"] == [4, 5]
+    assert item["Max"] == t.max().item()
+    assert item["Min"] == t.min().item()
+    assert item["Mean"] == t.mean().item()
+    assert item["Norm"] == torch.linalg.vector_norm(t).item()
+    assert item["requires_grad"] is False
+
+
+def test_statistics_wait_for_flush() -> None:
+    engine = StatEngine()
+    item = engine.item(torch.ones(3))
+    assert item["Max"] is None
+    engine.flush()
+    assert item["Max"] == 1.0
+
+
+def test_low_precision_mean_and_norm_accumulate_in_float32() -> None:
+    t = torch.full((4096,), 0.1, dtype=torch.float16)
+    item = _stats(t)
+    assert item["dtype"] == "torch.float16"
+    exact = t.float()
+    assert item["Max"] == exact.max().item()
+    assert item["Mean"] == pytest.approx(exact.mean().item(), rel=1e-6)
+    assert item["Norm"] == pytest.approx(torch.linalg.vector_norm(exact).item(), rel=1e-6)
+
+
+def test_float64_keeps_float64_precision() -> None:
+    t = torch.tensor([1.0 + 1e-12, 1.0], dtype=torch.float64)
+    item = _stats(t)
+    assert item["Max"] == 1.0 + 1e-12
+    assert item["Mean"] == t.mean().item()
+
+
+def test_integers_keep_exact_max_min_and_float_mean_norm() -> None:
+    t = torch.tensor([2**40 + 1, 3, -7], dtype=torch.int64)
+    item = _stats(t)
+    assert item["Max"] == 2**40 + 1 and isinstance(item["Max"], int)
+    assert item["Min"] == -7
+    assert item["Mean"] == pytest.approx((2**40 + 1 + 3 - 7) / 3, rel=1e-6)
+    assert item["Norm"] == pytest.approx(math.sqrt((2**40 + 1) ** 2 + 9 + 49), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "expected"),
+    [(5, torch.int64, 5), (-2.5, torch.float32, -2.5), (0, torch.int64, 0)],
+)
+def test_zero_dim_tensor_statistics_are_the_value_itself(
+    value: float, dtype: torch.dtype, expected: float
+) -> None:
+    item = _stats(torch.tensor(value, dtype=dtype))
+    assert item["shape"] == []
+    # as msprobe: all four are the value, so the "Norm" of a negative scalar is negative
+    assert [item[k] for k in ("Max", "Min", "Mean", "Norm")] == [expected] * 4
+    assert type(item["Max"]) is type(expected)
+
+
+def test_zero_dim_value_is_snapshot_before_later_in_place_changes() -> None:
+    engine = StatEngine()
+    counter = torch.tensor(0)
+    item = engine.item(counter)
+    counter.add_(1)
+    engine.flush()
+    assert item["Max"] == 0
+
+
+def test_bool_max_is_any_min_is_all_and_no_mean_norm() -> None:
+    item = _stats(torch.tensor([True, False, True]))
+    assert (item["Max"], item["Min"], item["Mean"], item["Norm"]) == (True, False, None, None)
+
+
+def test_empty_and_meta_tensors_have_null_statistics() -> None:
+    for t in (torch.empty(0, 3), torch.empty(2, 2, device="meta")):
+        item = _stats(t)
+        assert [item[k] for k in ("Max", "Min", "Mean", "Norm")] == [None] * 4
+        assert item["shape"] == list(t.shape)
+
+
+def test_complex_uses_absolute_values() -> None:
+    t = torch.tensor([3 + 4j, 0 + 1j], dtype=torch.complex64)
+    item = _stats(t)
+    assert item["Max"] == pytest.approx(5.0)
+    assert item["Min"] == pytest.approx(1.0)
+    assert item["Mean"] == pytest.approx(3.0)
+    assert item["Norm"] is None
+
+
+def test_non_contiguous_and_grad_requiring_tensors() -> None:
+    base = torch.arange(12.0).reshape(3, 4)
+    view = base.t()[1:]
+    assert not view.is_contiguous()
+    item = _stats(view)
+    assert item["Max"] == view.max().item() and item["Norm"] == torch.linalg.vector_norm(view).item()
+    leaf = torch.ones(3, requires_grad=True)
+    engine = StatEngine()
+    item = engine.item(leaf)
+    engine.flush()
+    assert item["requires_grad"] is True
+    assert leaf.grad_fn is None and leaf.grad is None
+
+
+def test_remembered_tensor_reuses_statistics_until_it_changes() -> None:
+    engine = StatEngine()
+    t = torch.ones(4)
+    first = engine.item(t, remember=True)
+    again = engine.item(t)
+    assert engine.computed == 1  # the second item computed nothing
+    t.mul_(3)  # bumps t._version: the cached statistics no longer apply
+    changed = engine.item(t)
+    engine.flush()
+    assert first["Max"] == again["Max"] == 1.0
+    assert changed["Max"] == 3.0
+
+
+def test_inputs_are_not_remembered() -> None:
+    engine = StatEngine()
+    running_mean = torch.zeros(3)
+    engine.item(running_mean)  # an input: batch_norm may change it without bumping _version
+    engine.item(running_mean)
+    assert engine.computed == 2
+
+
+def test_crc32_is_of_the_raw_bytes() -> None:
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert crc32_hex(t) == f"{zlib.crc32(t.numpy().tobytes()):08x}"
+    assert crc32_hex(t.t()) == f"{zlib.crc32(t.t().contiguous().numpy().tobytes()):08x}"
+    bf16 = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    assert crc32_hex(bf16) == f"{zlib.crc32(bf16.view(torch.int16).numpy().tobytes()):08x}"
+    assert len(crc32_hex(torch.empty(0))) == 8
+
+
+def test_md5_is_taken_when_the_item_is_built() -> None:
+    engine = StatEngine(md5=True)
+    t = torch.ones(5)
+    item = engine.item(t)
+    expected = crc32_hex(t)
+    t.add_(1)
+    engine.flush()
+    assert item["md5"] == expected
+    assert list(item)[-1] == "md5"
+
+
+def test_tensor_sink_receives_a_private_copy() -> None:
+    saved: dict[str, torch.Tensor] = {}
+    engine = StatEngine(tensor_sink=lambda name, tensor: saved.__setitem__(name, tensor))
+    t = torch.ones(2, 2).t()
+    item = engine.item(t, data_name="X.forward.input.0.pt")
+    t.add_(1)
+    engine.flush()
+    assert item["data_name"] == "X.forward.input.0.pt"
+    snapshot = saved["X.forward.input.0.pt"]
+    assert torch.equal(snapshot, torch.ones(2, 2)) and snapshot.is_contiguous()
+    assert snapshot.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_the_reuse_cache_keeps_no_tensor_alive() -> None:
+    import weakref
+
+    engine = StatEngine()
+    t = torch.randn(1000)
+    engine.item(t, remember=True)
+    alive = weakref.ref(t)
+    del t
+    assert alive() is None  # an activation or gradient is freed when training drops it
+    engine.flush()
+
+
+def test_small_and_large_tensors_give_the_same_statistics() -> None:
+    base = torch.randn(10000, generator=torch.Generator().manual_seed(1))
+    engine = StatEngine()
+    small, large = engine.item(base[:100].clone()), engine.item(base)
+    engine.flush()
+    for item, t in ((small, base[:100]), (large, base)):
+        assert item["Max"] == t.max().item() and item["Min"] == t.min().item()
+        assert item["Mean"] == t.mean().item()
+        assert item["Norm"] == torch.linalg.vector_norm(t).item()
+
+
+def test_tensors_off_the_fast_path_never_break_the_capture() -> None:
+    import warnings
+
+    with torch.inference_mode():
+        inference = torch.arange(4.0)  # no version counter
+    sparse = torch.eye(3).to_sparse()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+    class Tagged(torch.Tensor):
+        pass
+
+    tagged = torch.tensor([1.0, -2.0]).as_subclass(Tagged)
+    saved: dict[str, torch.Tensor] = {}
+    engine = StatEngine(md5=True, tensor_sink=lambda name, t: saved.__setitem__(name, t))
+    items = [
+        engine.item(t, f"{i}.pt", remember=True) for i, t in enumerate((inference, sparse, nested, tagged))
+    ]
+    engine.flush()
+    assert items[0]["Max"] == 3.0 and items[0]["md5"] == crc32_hex(torch.arange(4.0))
+    assert items[1]["shape"] == [3, 3] and items[1]["Max"] is None and items[1]["md5"] is None
+    assert torch.equal(saved["1.pt"].to_dense(), torch.eye(3))
+    assert items[2]["shape"] is None and items[2]["Max"] is None and "2.pt" not in saved
+    assert (items[3]["Max"], items[3]["Min"]) == (1.0, -2.0) and type(saved["3.pt"]) is torch.Tensor
