@@ -1,1 +1,4 @@
-"""Repository-level pytest configuration (the test suite's fixtures live in tests/conftest.py)."""
+"""Repository-level pytest configuration (each test folder keeps its own fixtures in its conftest.py)."""
+
+# the plugin's whole-workflow tests drive real pytest runs
+pytest_plugins = ["pytester"]

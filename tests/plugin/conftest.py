@@ -11,8 +11,6 @@ import pytest
 import torch  # noqa: F401
 import torchvision  # noqa: F401
 
-pytest_plugins = ["pytester"]
-
 # A small CNN trained for two steps: relu (functional and in-place module), batch_norm, conv, linear, SGD.
 TRAIN_TEST = textwrap.dedent(
     """
