@@ -118,7 +118,7 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
         pytest.fail(f"msprobe: {problem}", pytrace=False)
     request.node.stash[RUN_KEY] = run
     yield run
-    run.debugger.close()  # a test body that raised leaves no hooks behind
+    run.close()  # no hooks left behind (also when the body raised); deterministic switches put back
 
 
 @pytest.hookimpl(wrapper=True)

@@ -58,6 +58,55 @@ class _NoDump:
         pass
 
 
+_SEED_ENV = (
+    "PYTHONHASHSEED",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "HCCL_DETERMINISTIC",
+    "LCCL_DETERMINISTIC",
+    "CLOSE_MATMUL_K_SHIFT",
+    "ATB_LLM_LCOC_ENABLE",
+)
+
+
+@dataclass(frozen=True)
+class _Determinism:
+    """The process-wide switches seed_all(mode=True) changes, so a test leaves them as it found them."""
+
+    algorithms: bool
+    warn_only: bool
+    cudnn_deterministic: bool
+    cudnn_benchmark: bool
+    env: dict[str, str | None]
+
+    @classmethod
+    def save(cls) -> _Determinism:
+        import os
+
+        import torch
+
+        return cls(
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark,
+            {name: os.environ.get(name) for name in _SEED_ENV},
+        )
+
+    def restore(self) -> None:
+        import os
+
+        import torch
+
+        torch.use_deterministic_algorithms(self.algorithms, warn_only=self.warn_only)
+        torch.backends.cudnn.deterministic = self.cudnn_deterministic
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        for name, value in self.env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class MsprobeRun:
     """The ``msprobe`` fixture's value: the device to train on and the debugger that dumps the chosen steps.
 
@@ -101,6 +150,7 @@ class MsprobeRun:
             )
         else:
             self.debugger = _NoDump()
+        self._determinism = _Determinism.save()
         seed_all(seed=test.seed, mode=True)
 
     @property
@@ -142,6 +192,13 @@ class MsprobeRun:
             python=platform.python_version(),
             extra={"thresholds": self.settings.thresholds.to_dict()},
         )
+
+    def close(self) -> None:
+        """After the test: release the debugger's hooks and put the process-wide deterministic switches back."""
+        try:
+            self.debugger.close()
+        finally:
+            self._determinism.restore()
 
     def finish(self) -> Outcome:
         """After the test body: close the debugger, then regenerate the baseline or compare against it."""

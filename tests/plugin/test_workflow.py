@@ -186,6 +186,7 @@ def test_a_failing_test_body_is_reported_as_is_and_leaves_no_hooks(pytester: pyt
 
         def test_after():
             import torch
+            assert not torch.are_deterministic_algorithms_enabled(), "seed_all's switch must be put back"
             assert "wrapper" not in getattr(torch.Tensor.__add__, "__qualname__", "")
             assert torch.nn.functional.relu.__module__ == "torch.nn.functional"
         """
