@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +33,7 @@ from pytest_msprobe.compare.result import (
     WARNING,
     ApiResult,
     CompareResult,
+    Divergence,
     DumpPair,
     RowResult,
 )
@@ -87,8 +88,10 @@ def compare(
         builder.add(t_dump, b_dump, align(t_dump.entries, b_dump.entries, fuzzy=fuzzy))
     builder.run_tensor_tasks(jobs)
     builder.explain_in_place()
+    builder.explain_structural()
     rows, apis, feeds = builder.finish()
     divergence = first_divergence(apis, rows, feeds, thresholds.amplification, builder.opaque)
+    divergence = structural_divergence(divergence, apis, rows, builder.structural)
     stacks: dict[str, tuple[str, ...]] = {}
     if stack:
         for t_loc, _ in pairs:
@@ -191,6 +194,7 @@ class _Builder:
     feeds: dict[int, list[int]] = field(default_factory=dict)
     tasks: list[int] = field(default_factory=list)  # draft indices waiting for tensor metrics
     opaque: set[int] = field(default_factory=set)  # calls whose inputs are unknown
+    structural: dict[int, int] = field(default_factory=dict)  # call -> the one-side call that fed it
 
     def _resolve_mode(self, t: Dump, b: Dump) -> str:
         if self.requested_mode == "auto":
@@ -439,6 +443,64 @@ class _Builder:
                     if d.check is not check:
                         break
 
+    def explain_structural(self) -> None:
+        """Forgive a call whose differing inputs are the outputs of a call only one side makes.
+
+        An inserted or removed call (one extra relu after a max-pool, say) changes the structure of the run,
+        and with it what flows into the next call: a relu's backward zeroes the gradient where its input is 0,
+        so the max-pool's backward reads a different gradient although every weight gradient stays the same.
+        The call that reads the one-side call's output is then a warning, not an error; the one-side call
+        itself is reported as unmatched. When the difference really changes the numbers, it reaches the calls
+        after that one through matched calls, and those still fail (the first divergence then names the
+        one-side call: see :func:`structural_divergence`). A tensor is recognised by its record (shape, dtype
+        and statistics), which the producing and the consuming call share within one dump.
+        """
+        produced: dict[tuple[int, str, tuple[Any, ...]], int] = {}
+        for index, api in enumerate(self.apis):
+            if not api.one_side:
+                continue
+            for d in self.drafts[api.row_start : api.row_stop]:
+                for side, leaf in (("target", d.target), ("baseline", d.baseline)):
+                    if (
+                        leaf is not None
+                        and d.role == OUTPUT
+                        and leaf.kind == TENSOR
+                        and None not in leaf.stats
+                    ):
+                        produced.setdefault((api.pair, side, _fingerprint(leaf)), index)
+        if not produced:
+            return
+        for index, api in enumerate(self.apis):
+            if api.one_side:
+                continue
+            drafts = self.drafts[api.row_start : api.row_stop]
+            failing = [d for d in drafts if d.check is not None and d.check.status == ERROR]
+            inputs = [d for d in failing if d.role != OUTPUT]
+            if not inputs:
+                continue
+            sources = []
+            for d in inputs:
+                found = None
+                for side, leaf in (("target", d.target), ("baseline", d.baseline)):
+                    if leaf is not None and leaf.kind == TENSOR and None not in leaf.stats:
+                        found = produced.get((api.pair, side, _fingerprint(leaf)))
+                        if found is not None:
+                            break
+                if found is None:
+                    break
+                sources.append(found)
+            else:
+                source = sources[0]
+                only = "target" if self.drafts[self.apis[source].row_start].target is not None else "baseline"
+                note = (
+                    f"follows {self.apis[source].api}, a call only the {only} makes: a difference of structure, "
+                    "not of precision"
+                )
+                for d in failing:
+                    assert d.check is not None
+                    d.check = _escalate_to(d.check, WARNING, note)
+                self.structural[index] = source
+
     def finish(self) -> tuple[list[RowResult], list[ApiResult], dict[int, list[int]]]:
         rows = []
         for d in self.drafts:
@@ -491,6 +553,49 @@ class _Builder:
 
 def _same_record(x: Leaf, y: Leaf) -> bool:
     return x.shape == y.shape and x.dtype == y.dtype and x.stats == y.stats and None not in x.stats
+
+
+def _fingerprint(leaf: Leaf) -> tuple[Any, ...]:
+    return (leaf.shape, leaf.dtype, leaf.stats)
+
+
+def _escalate_to(check: Check, status: str, note: str) -> Check:
+    """The same check with another status and a note appended to its reason."""
+    reason = f"{check.reason}; {note}" if check.reason else note
+    return Check(status, check.error, check.allowed, reason, check.stat, check.tensor, check.msprobe_accuracy)
+
+
+def structural_divergence(
+    divergence: Divergence | None,
+    apis: Sequence[ApiResult],
+    rows: Sequence[RowResult],
+    structural: Mapping[int, int],
+) -> Divergence | None:
+    """Name a one-side call as the first divergence when the error has no matched origin before it.
+
+    Unless a matched call shows the error entering (its outputs breach while its inputs match), an error that
+    first shows after a call that read the output of a call only one side makes comes from that call.
+    """
+    if divergence is None or divergence.rule == "enters" or not structural:
+        return divergence
+    first_error = min((api.order for api in apis if api.status == ERROR), default=None)
+    if first_error is None:
+        return divergence
+    before = [(apis[c].order, source) for c, source in structural.items() if apis[c].order <= first_error]
+    if not before:
+        return divergence
+    _, source = min(before)
+    api = apis[source]
+    out_rows = [j for j in api.rows if rows[j].role == OUTPUT] or list(api.rows)
+    side = "target" if rows[out_rows[0]].target is not None else "baseline"
+    first = min((a for a in apis if a.status == ERROR), key=lambda a: a.order)
+    why = (
+        f"{api.api} is a call only the {side} makes, and the numbers after it differ (first breach: {first.api}, "
+        f"{first.reason}): the error enters with this extra call"
+    )
+    return Divergence(
+        api.api, rows[out_rows[0]].row, api.step, api.rank, why, "structural", source, out_rows[0]
+    )
 
 
 # ------------------------------------------------------------------------------------------ tensor metrics

@@ -5,7 +5,8 @@ A row check returns a :class:`Check`; the thresholds it uses come from :class:`T
 The **first divergence** is where the error enters, not where it shows. Over all compared API calls in
 execution order (forward, then backward, steps then ranks):
 
-1. *enters*: the earliest call whose outputs breach while its inputs do not. The inputs of a backward call are
+1. *enters*: the earliest call whose outputs breach while its inputs match (every input within a tenth of its
+   tolerance: an input close to its line may have pushed the output over). The inputs of a backward call are
    the gradients flowing in plus the tensors its forward call saw (a backward kernel reads them); a module's
    ``parameters_grad`` has the inputs of the module's backward.
 2. *grows*: if every breaching call already has breaching inputs (errors flow in everywhere: a later step after
@@ -335,6 +336,11 @@ def _suffix(api: ApiResult, rows: Sequence[RowResult], i: int) -> str:
     return rows[i].row[len(api.api) :] if rows[i].row.startswith(api.api) else rows[i].row
 
 
+# an input whose error exceeds this fraction of its tolerance does not count as matching the baseline (the
+# warning level of the default dtype table): an output can only be where the error enters if its inputs are clean
+NEAR_FRACTION = 0.1
+
+
 def first_divergence(
     apis: Sequence[ApiResult],
     rows: Sequence[RowResult],
@@ -348,17 +354,25 @@ def first_divergence(
     compared = [(api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED]
     compared.sort()
 
-    def effective_inputs(i: int) -> tuple[float | None, bool]:
+    def near(j: int) -> bool:
+        # within a tenth of its tolerance: a row this close to the line does not "match" the baseline
+        r = rows[j]
+        return r.error is not None and r.allowed is not None and r.error > r.allowed * NEAR_FRACTION
+
+    def effective_inputs(i: int) -> tuple[float | None, bool, bool]:
+        """(largest input error, whether an input breaches, whether an input is near or over its tolerance)."""
         api = apis[i]
         errors = [api.input_error] if api.input_error is not None else []
         breach = api.input_breach or i in opaque
+        tainted = breach or any(near(j) for j in api.rows if rows[j].role != OUTPUT)
         for j in feeds.get(i, ()):
             other = apis[j]
             if other.status == UNMATCHED:
                 continue
             errors.extend(e for e in (other.input_error, other.output_error) if e is not None)
             breach = breach or other.input_breach or other.output_breach
-        return (max(errors) if errors else None), breach
+            tainted = tainted or breach or any(near(k) for k in other.rows)
+        return (max(errors) if errors else None), breach, tainted
 
     def make(i: int, rule: str, why: str) -> Divergence:
         api = apis[i]
@@ -367,8 +381,8 @@ def first_divergence(
 
     breaching = [i for _, i in compared if apis[i].output_breach]
     for i in breaching:
-        in_err, in_breach = effective_inputs(i)
-        if not in_breach:
+        _, _, in_tainted = effective_inputs(i)
+        if not in_tainted:
             api = apis[i]
             row = _worst_output_row(api, rows)
             why = (
@@ -377,7 +391,7 @@ def first_divergence(
             )
             return make(i, "enters", why)
     for i in breaching:
-        in_err, _ = effective_inputs(i)
+        in_err, _, _ = effective_inputs(i)
         out_err = apis[i].output_error
         if in_err and out_err is not None and out_err >= amplification * in_err:
             ratio = out_err / in_err

@@ -58,6 +58,14 @@ def advice(result: CompareResult, fd: Divergence) -> str:
                 "path, TF32 on the baseline GPU), a fused or patched replacement. To confirm, dump with "
                 "task='tensor' and run the API alone on the dumped inputs on both devices."
             )
+    elif fd.rule == "structural":
+        text.append(f"{fd.reason}.")
+        text.append(
+            "The two runs do not make the same calls here: compare the model code and the library versions on "
+            "both sides (an extra or missing operation, a fused kernel replacing several calls, a changed "
+            "forward). Calls that only one side makes cannot be compared, so remove the difference or dump "
+            "both sides from the same code."
+        )
     elif fd.rule == "grows":
         text.append(f"Errors already flow into every call, but {api.api} amplifies them: {fd.reason}.")
         text.append(

@@ -178,6 +178,10 @@ def test_a_failing_test_body_is_reported_as_is_and_leaves_no_hooks(pytester: pyt
     pytester.makepyfile(
         test_boom="""
         import pytest, torch
+
+        def test_before():
+            torch.use_deterministic_algorithms(False)
+
         @pytest.mark.msprobe(steps=[0])
         def test_boom(msprobe):
             with msprobe.step():
@@ -192,7 +196,7 @@ def test_a_failing_test_body_is_reported_as_is_and_leaves_no_hooks(pytester: pyt
         """
     )
     result = pytester.runpytest(*BASE, "--msprobe-baseline=b")
-    result.assert_outcomes(failed=1, passed=1)
+    result.assert_outcomes(failed=1, passed=2)
     result.stdout.fnmatch_lines(["*RuntimeError: boom*"])
 
 
