@@ -53,7 +53,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     add_threshold_options(group.addoption, prefix="msprobe-")
     for key, text in INI_KEYS.items():
-        parser.addini(key, text, type="linelist" if key in _LIST_INI else "string")
+        if key in _LIST_INI:
+            parser.addini(key, text, type="linelist")
+        else:
+            parser.addini(key, text, type="string")
 
 
 def _ini_dir(config: pytest.Config) -> Path:
@@ -111,7 +114,7 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
         session = config.stash[SESSION_KEY]
         run = MsprobeRun(request.node.nodeid, session, settings, select_device(session.device))
     except MsprobeError as exc:
-        problem = str(exc)
+        problem: str | None = str(exc)
     else:
         problem = None
     if problem is not None:  # failed outside the except block: no chained traceback in the report
@@ -132,7 +135,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     try:
         outcome = run.finish()
     except MsprobeError as exc:
-        problem = str(exc)
+        problem: str | None = str(exc)
     else:
         problem = None
     if problem is not None:

@@ -143,10 +143,13 @@ class MsprobeRun:
 
             # a rerun of the same test starts from an empty dump folder
             shutil.rmtree(self.output_dir, ignore_errors=True)
-            task = "statistics" if test.task == "md5" else test.task
-            extra = {"summary_mode": "md5"} if test.task == "md5" else {}
+            md5 = test.task == "md5"  # msprobe's form: task statistics with summary_mode md5
             self.debugger = PrecisionDebugger(
-                dump_path=str(self.dump_dir), task=task, level=test.level, step=list(test.steps), **extra
+                dump_path=str(self.dump_dir),
+                task="statistics" if md5 else test.task,
+                level=test.level,
+                step=list(test.steps),
+                summary_mode="md5" if md5 else None,
             )
         else:
             self.debugger = _NoDump()

@@ -51,7 +51,8 @@ class Check:
     msprobe_accuracy: str | None = None
 
 
-def _fmt(x: float | None) -> str:
+def fmt_number(x: float | None) -> str:
+    """A number for messages: three significant digits, ``n/a`` for none."""
     if x is None:
         return "n/a"
     if math.isinf(x) or math.isnan(x):
@@ -188,8 +189,8 @@ def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
         name = STAT_NAMES[worst_i]
         scale = "its value" if worst_i == 3 else "the tensor's range"
         reason = (
-            f"{name} differs by {_fmt(metrics.scaled[worst_i])} of {scale} "
-            f"({_fmt6(baseline.stats[worst_i])} -> {_fmt6(target.stats[worst_i])}; allowed {_fmt(tol.error)})"
+            f"{name} differs by {fmt_number(metrics.scaled[worst_i])} of {scale} "
+            f"({_fmt6(baseline.stats[worst_i])} -> {_fmt6(target.stats[worst_i])}; allowed {fmt_number(tol.error)})"
         )
     check = Check(status, error, tol.error, reason, stat=metrics)
     if metrics.nonfinite == "same":
@@ -198,7 +199,7 @@ def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
 
 
 def _stats_text(leaf: Leaf, names: list[str]) -> str:
-    return ", ".join(_fmt(leaf.stats[STAT_NAMES.index(n)]) for n in names)
+    return ", ".join(fmt_number(leaf.stats[STAT_NAMES.index(n)]) for n in names)
 
 
 def msprobe_accuracy(metrics: TensorMetrics) -> str | None:
@@ -235,13 +236,13 @@ def check_tensors(
         status = WARNING
     if status != PASS:
         reasons.append(
-            f"RelL2Err {_fmt(metrics.rel_l2)}, ScaledMaxAbsErr {_fmt(metrics.scaled_max_abs)} "
-            f"(MaxAbsErr {_fmt(metrics.max_abs_err)}; allowed {_fmt(tol.error)})"
+            f"RelL2Err {fmt_number(metrics.rel_l2)}, ScaledMaxAbsErr {fmt_number(metrics.scaled_max_abs)} "
+            f"(MaxAbsErr {fmt_number(metrics.max_abs_err)}; allowed {fmt_number(tol.error)})"
         )
     if msprobe_rule and accuracy == "No":
         status = ERROR
         reasons.append(
-            f"msprobe's accuracy rule fails (Cosine {_fmt(metrics.cosine)}, MaxAbsErr {_fmt(metrics.max_abs_err)})"
+            f"msprobe's accuracy rule fails (Cosine {fmt_number(metrics.cosine)}, MaxAbsErr {fmt_number(metrics.max_abs_err)})"
         )
     check = Check(status, error, tol.error, "; ".join(reasons), tensor=metrics, msprobe_accuracy=accuracy)
     if metrics.nonfinite == "same":
@@ -396,8 +397,8 @@ def first_divergence(
         if in_err and out_err is not None and out_err >= amplification * in_err:
             ratio = out_err / in_err
             why = (
-                f"errors already flow into every call; here the output error {_fmt(out_err)} is "
-                f"{'inf' if math.isinf(ratio) else f'{ratio:.0f}'}x the input error {_fmt(in_err)}: "
+                f"errors already flow into every call; here the output error {fmt_number(out_err)} is "
+                f"{'inf' if math.isinf(ratio) else f'{ratio:.0f}'}x the input error {fmt_number(in_err)}: "
                 "the error grows here"
             )
             return make(i, "grows", why)

@@ -9,19 +9,11 @@ how to regenerate the baseline
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from pytest_msprobe.compare.metrics import STAT_NAMES
 from pytest_msprobe.compare.result import ERROR, CompareResult, RowResult
-
-
-def _num(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    if math.isnan(x) or math.isinf(x):
-        return str(x)
-    return f"{x:.3g}"
+from pytest_msprobe.compare.verdict import fmt_number
 
 
 def row_metric(row: RowResult) -> str:
@@ -69,7 +61,9 @@ def failure_message(
         lines.append("worst rows:")
         lines.append(f"  {'row':<{width}}  {'metric':<16} {'value':>9}  {'allowed':>9}")
         for r in rows:
-            lines.append(f"  {r.row:<{width}}  {row_metric(r):<16} {_num(r.error):>9}  {_num(r.allowed):>9}")
+            lines.append(
+                f"  {r.row:<{width}}  {row_metric(r):<16} {fmt_number(r.error):>9}  {fmt_number(r.allowed):>9}"
+            )
     lines.append(f"baseline: {baseline}")
     if reports:
         lines.append("reports: " + ", ".join(reports.values()))

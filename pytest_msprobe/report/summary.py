@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from pytest_msprobe.compare.result import ApiResult, CompareResult
+from pytest_msprobe.compare.verdict import fmt_number
 
 
 def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict[str, Any]:
@@ -32,14 +32,6 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
 
 def summary_json(result: CompareResult) -> str:
     return json.dumps(summary_dict(result), indent=2) + "\n"
-
-
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    if math.isinf(x) or math.isnan(x):
-        return str(x)
-    return f"{x:.3g}"
 
 
 def console_summary(result: CompareResult, reports: dict[str, str] | None = None, worst: int = 5) -> str:
@@ -68,7 +60,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
     if flagged:
         lines.append("worst rows (scaled error / allowed):")
         for r in flagged[:worst]:
-            lines.append(f"  {r.row:<60} {_fmt(r.error):>9} / {_fmt(r.allowed)}")
+            lines.append(f"  {r.row:<60} {fmt_number(r.error):>9} / {fmt_number(r.allowed)}")
     for note in result.unpaired:
         lines.append(f"not compared: {note}")
     if reports:
