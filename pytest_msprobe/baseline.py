@@ -12,8 +12,13 @@ dropped in as a test's folder; the manifest is optional.
 
 Writing is all-or-nothing: the new baseline is assembled in a hidden sibling folder and then swapped in with one
 atomic ``renameat2(RENAME_EXCHANGE)`` where Linux offers it (a rename pair otherwise, with the old folder kept
-until the new one is in place and recovered on the next run if the process died in between). Concurrent writers
-of the same baseline are serialised by a lock on their folder, so two CI jobs cannot interleave files.
+until the new one is in place and recovered on the next run if the process died in between). A writer killed at
+any moment (SIGKILL included) leaves the old baseline whole or the new one complete, plus hidden leftovers that
+the next :meth:`BaselineStore.path_for` or :meth:`BaselineStore.write` removes.
+
+Writers of a baseline hold an exclusive ``flock`` on its parent folder, readers (:meth:`BaselineStore.reading`) a
+shared one: two CI jobs cannot interleave files, and a compare never reads half of one baseline and half of the
+next. The lock is on the folder itself, so no lock file is left among the baselines.
 """
 
 from __future__ import annotations
@@ -144,14 +149,47 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def _fsync_path(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
+    """Flush every file and folder of ``root``: the swap must never publish names whose data are not on disk."""
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """copytree, raising the first file's OSError itself (copytree gathers them into one flattened text)."""
+    failures: list[OSError] = []
+
+    def copy(source: str, target: str) -> Any:
+        try:
+            return shutil.copy2(source, target)
+        except OSError as exc:
+            failures.append(exc)
+            raise
+
+    try:
+        shutil.copytree(src, dst, copy_function=copy)
+    except shutil.Error as exc:
+        if failures:
+            raise failures[0] from exc
+        raise
+
+
+def _lock_fd(folder: Path) -> int | None:
+    """A descriptor of ``folder`` to flock, or None when there is no such folder to open."""
+    try:
+        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # missing, not a folder, unreadable: nothing stored there to protect
+        return None
 
 
 class BaselineStore:
@@ -161,36 +199,77 @@ class BaselineStore:
         self.root = Path(root)
 
     def path_for(self, nodeid: str) -> Path:
+        """The test's baseline folder (which may not exist), after removing what a killed writer left."""
         path = self.root / baseline_folder(nodeid)
-        self._recover(path)
+        fd = _lock_fd(path.parent)
+        if fd is not None:
+            try:
+                # never wait, never touch a folder in use: a writer holding the lock recovers by itself
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                pass
+            else:
+                self._recover(path)
+            finally:
+                os.close(fd)  # closing releases the lock
         return path
 
     def exists(self, nodeid: str) -> bool:
         return is_dump_root(self.path_for(nodeid))
 
     @contextlib.contextmanager
+    def reading(self, nodeid: str) -> Iterator[Path]:
+        """The test's baseline folder, kept from being replaced while the block reads it.
+
+        Example::
+
+            with store.reading(nodeid) as folder:
+                result = compare(dump, folder)      # never half of one baseline and half of the next
+        """
+        path = self.path_for(nodeid)
+        fd = _lock_fd(path.parent)
+        try:
+            if fd is not None:
+                # a file system without flock (some network mounts) reads unlocked rather than not at all
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+            yield path
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    @contextlib.contextmanager
     def _locked(self, final: Path) -> Iterator[None]:
-        # an flock on the parent folder itself: no lock file is left among the baselines
         final.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(final.parent, os.O_RDONLY)
+        fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    @staticmethod
+    def _leftovers(final: Path, tag: str) -> list[Path]:
+        # listed, not globbed: test names hold [ ] that glob would read as a pattern
+        prefix = f".{final.name}{tag}"
+        try:
+            names = sorted(n for n in os.listdir(final.parent) if n.startswith(prefix))
+        except OSError:
+            return []
+        return [final.parent / n for n in names]
+
     def _recover(self, final: Path) -> None:
-        """Undo what a writer killed between its two renames left: put the old baseline back."""
-        parent = final.parent
-        if not parent.is_dir():
-            return
-        olds = sorted(parent.glob(f".{final.name}{_OLD_TAG}*"))
-        if olds and not final.exists():
+        """Undo what a killed writer left (the caller holds the lock): put a moved-aside baseline back, drop copies.
+
+        A writer killed between its two renames (the fallback without RENAME_EXCHANGE) left no baseline in place
+        and the old one aside: the old one comes back, not the new copy, whose completeness nothing records.
+        """
+        olds = self._leftovers(final, _OLD_TAG)
+        if olds and not os.path.lexists(final):
             with contextlib.suppress(OSError):
                 os.rename(olds[-1], final)
                 olds = olds[:-1]
-        for leftover in (*olds, *parent.glob(f".{final.name}{_TMP_TAG}*")):
+        for leftover in (*olds, *self._leftovers(final, _TMP_TAG)):
             shutil.rmtree(leftover, ignore_errors=True)
 
     def write(self, nodeid: str, dump_root: Path, manifest: Manifest) -> Path:
@@ -198,32 +277,44 @@ class BaselineStore:
         if not is_dump_root(dump_root):
             raise BaselineError(f"{dump_root}: no step folders to store as a baseline (was anything dumped?)")
         final = self.root / baseline_folder(nodeid)
+        had_one = False
         try:
             with self._locked(final):
                 self._recover(final)
+                had_one = is_dump_root(final)
                 tmp = final.parent / f".{final.name}{_TMP_TAG}{uuid.uuid4().hex[:8]}"
                 try:
-                    shutil.copytree(dump_root, tmp)
+                    _copy_tree(dump_root, tmp)
                     (tmp / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
                     _fsync_tree(tmp)
-                    if final.exists():
-                        if _exchange(tmp, final):
-                            shutil.rmtree(tmp, ignore_errors=True)  # holds the old baseline now
-                        else:
-                            old = final.parent / f".{final.name}{_OLD_TAG}{uuid.uuid4().hex[:8]}"
-                            os.rename(final, old)
-                            os.rename(tmp, final)
-                            shutil.rmtree(old, ignore_errors=True)
-                    else:
-                        os.rename(tmp, final)
+                    self._swap(tmp, final)
+                    with contextlib.suppress(OSError):  # in place already: only durability is at stake
+                        _fsync_path(final.parent)
                 finally:
                     if tmp.exists():
                         shutil.rmtree(tmp, ignore_errors=True)
         except OSError as exc:
             where, why = exc.filename or final, exc.strerror or str(exc)
             if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
-                _src, where, why = exc.args[0][0]  # copytree gathers per-file errors: report the first
-            raise BaselineError(
-                f"{where}: cannot write the baseline ({why}); the previous baseline is unchanged"
-            ) from exc
+                _src, where, why = exc.args[0][0]  # a folder's error gathered by copytree: report the first
+            at = "" if os.fspath(where) == os.fspath(final) else f" at {where}"
+            kept = "the previous baseline is unchanged" if had_one else "no baseline was written"
+            raise BaselineError(f"{final}: cannot write the baseline ({why}{at}); {kept}") from exc
         return final
+
+    @staticmethod
+    def _swap(tmp: Path, final: Path) -> None:
+        """Put the complete copy ``tmp`` in place of ``final``; ``tmp`` holds what is left to delete afterwards."""
+        if not final.exists():
+            os.rename(tmp, final)
+        elif _exchange(tmp, final):
+            shutil.rmtree(tmp, ignore_errors=True)  # holds the old baseline now
+        else:
+            old = final.parent / f".{final.name}{_OLD_TAG}{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                os.rename(old, final)  # keep the promise of the error message: the old one in place
+                raise
+            shutil.rmtree(old, ignore_errors=True)

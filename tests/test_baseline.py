@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,15 +114,16 @@ def test_read_only_folder_is_a_clear_error_and_keeps_the_old(tmp_path: Path) -> 
     assert json.loads((final / "step0/rank/dump.json").read_text())["marker"] == "old"
 
 
-def test_interrupted_swap_is_recovered(tmp_path: Path) -> None:
+@pytest.mark.parametrize("nodeid", ["t.py::test", "t.py::test[lr=0.1-*?]"])
+def test_interrupted_swap_is_recovered(tmp_path: Path, nodeid: str) -> None:
     # a writer killed after moving the old baseline aside and before moving the new one in
     store = BaselineStore(tmp_path / "b")
-    final = store.write("t.py::test", _dump(tmp_path / "d1", "old"), _manifest())
+    final = store.write(nodeid, _dump(tmp_path / "d1", "old"), _manifest())
     aside = final.parent / f".{final.name}.msprobe-old-deadbeef"
     os.rename(final, aside)
     half = final.parent / f".{final.name}.msprobe-tmp-cafecafe"
     _dump(half, "half-written", steps=(0,))
-    assert store.exists("t.py::test")
+    assert store.exists(nodeid)
     assert json.loads((final / "step0/rank/dump.json").read_text())["marker"] == "old"
     assert not aside.exists() and not half.exists()
 
@@ -153,3 +157,76 @@ def test_disk_full_during_copy_is_a_clear_error_and_keeps_the_old(
     monkeypatch.undo()
     assert json.loads((final / "step0/rank/dump.json").read_text())["marker"] == "old"
     assert [p.name for p in final.parent.iterdir() if ".msprobe-" in p.name] == []
+
+
+def _refuse(err: int, under: Path, real: Callable[..., Any], writes_only: bool = False) -> Callable[..., Any]:
+    """``real``, failing with ``err`` on paths under ``under``, as a read-only or full file system does."""
+
+    def fake(path: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = args[0] if args else kwargs.get("mode", "r")
+        writing = not writes_only or (isinstance(mode, str) and any(c in mode for c in "wax+"))
+        if writing and Path(os.fspath(path)).resolve().is_relative_to(under.resolve()):
+            raise OSError(err, os.strerror(err), os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    return fake
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES, errno.ENOSPC], ids=["EROFS", "EACCES", "ENOSPC"])
+@pytest.mark.parametrize("where", ["copy-folder", "copy-file", "manifest", "swap", "fallback-second-rename"])
+def test_a_refused_write_at_any_stage_names_the_path_and_keeps_the_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int, where: str
+) -> None:
+    import shutil
+
+    from pytest_msprobe import baseline
+
+    store = BaselineStore(tmp_path / "b")
+    final = store.write("t.py::test[x]", _dump(tmp_path / "d1", "old"), _manifest())
+    new_dump = _dump(tmp_path / "d2", "new")
+    parent = final.parent
+    if where == "copy-folder":  # the copy's folder cannot be made (what a read-only folder refuses first)
+        monkeypatch.setattr(os, "mkdir", _refuse(err, parent, os.mkdir))
+    elif where == "copy-file":
+        monkeypatch.setattr(shutil, "open", _refuse(err, parent, open, writes_only=True), raising=False)
+    elif where == "manifest":
+        monkeypatch.setattr(Path, "write_text", _refuse(err, parent, Path.write_text))
+    elif where == "swap":
+        monkeypatch.setattr(baseline, "_exchange", _refuse(err, parent, baseline._exchange))
+    else:
+        monkeypatch.setattr(baseline, "_exchange", lambda a, b: False)
+        real_rename = os.rename
+        monkeypatch.setattr(
+            os,
+            "rename",
+            lambda a, b: (
+                real_rename(a, b)
+                if ".msprobe-tmp-" not in str(a)
+                else _refuse(err, parent, real_rename)(a, b)
+            ),
+        )
+    with pytest.raises(BaselineError) as info:
+        store.write("t.py::test[x]", new_dump, _manifest())
+    monkeypatch.undo()
+    message = str(info.value)
+    assert message.startswith(f"{final}: cannot write the baseline ({os.strerror(err)}")
+    assert message.endswith("; the previous baseline is unchanged")
+    assert json.loads((final / "step0/rank/dump.json").read_text())["marker"] == "old"
+    assert read_manifest(final) is not None
+    assert [p.name for p in parent.iterdir() if ".msprobe-" in p.name] == []
+
+
+def test_a_read_only_root_refuses_a_first_baseline_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "b"
+    root.mkdir()
+    monkeypatch.setattr(os, "mkdir", _refuse(errno.EROFS, root, os.mkdir))
+    with pytest.raises(BaselineError) as info:
+        BaselineStore(root).write("t.py::test", _dump(tmp_path / "d1", "new"), _manifest())
+    monkeypatch.undo()
+    assert str(info.value) == (
+        f"{root / 't' / 'test'}: cannot write the baseline (Read-only file system at {root / 't'}); "
+        "no baseline was written"
+    )
+    assert list(root.iterdir()) == []
