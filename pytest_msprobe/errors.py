@@ -25,6 +25,19 @@ class DumpError(MsprobeError):
     """Writing a dump failed (disk full, read-only folder, size limit reached...)."""
 
 
+class DumpSizeError(DumpError):
+    """A dump reached its size limit (``max_dump_size``) and stopped saving tensors."""
+
+    def __init__(self, path: PathLike, limit: str, row: str) -> None:
+        self.path = os.fspath(path)
+        self.limit = limit  # as people write it, e.g. "500 MB"
+        self.row = row  # the first row whose tensor file did not fit
+        super().__init__(
+            f"{self.path}: the dump reached its {limit} limit at {row}; raise max_dump_size, dump fewer steps "
+            "or use task statistics"
+        )
+
+
 class DumpFormatError(MsprobeError):
     """A dump on disk cannot be used: the message names the file and what is wrong with it."""
 

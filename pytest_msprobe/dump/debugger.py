@@ -11,6 +11,11 @@ Several debuggers can be used one after another in one process; only one can be 
 removes every wrapper and hook it installed; it also works as a context manager (``with PrecisionDebugger(...)
 as debugger:``), which closes it on exit.
 
+``max_dump_size`` (bytes, or a text such as ``"500MB"`` / ``"2GiB"``) bounds the tensor files of task ``tensor``:
+the first tensor that would take the dump past it is not saved, nor any after it (the step's JSON files are still
+written, without a ``data_name`` for them), and the stop() of that step raises :class:`DumpSizeError` naming the
+row where it happened.
+
 stop() saves the tensor files of task ``tensor`` (complete when it returns), then hands the step's records to a
 background thread that resolves the statistics and writes the JSON files while training goes on. The files are complete
 after :meth:`PrecisionDebugger.wait` or :meth:`PrecisionDebugger.close` (and at interpreter exit); each is
@@ -28,18 +33,19 @@ import torch
 
 from pytest_msprobe.dump import intercept
 from pytest_msprobe.dump.capture import Recorder
-from pytest_msprobe.dump.config import DumpConfig, build_config
+from pytest_msprobe.dump.config import DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.writer import (
     TENSOR_DIR,
     BackgroundJobs,
+    SizeBudget,
     TensorWriter,
     current_rank,
     step_dir,
     write_step_files,
 )
-from pytest_msprobe.errors import ConfigError, DumpError, PathLike
+from pytest_msprobe.errors import ConfigError, DumpError, DumpSizeError, PathLike
 
 # the debugger currently started in this process (at most one: the API wrappers are process-wide)
 _STARTED: PrecisionDebugger | None = None
@@ -51,7 +57,8 @@ class PrecisionDebugger:
     Arguments mirror msprobe's (``config_path``, ``task``, ``dump_path``, ``level``, ``model``, ``step``) plus the
     filters of its config.json (``rank``, ``scope``, ``list``, ``data_mode``, ``summary_mode``); explicit
     arguments override the file. ``task`` is ``"statistics"``, ``"tensor"`` or ``"md5"`` (statistics plus a
-    CRC32 of every tensor).
+    CRC32 of every tensor). ``max_dump_size`` (``500MB``, ``2GiB`` or bytes) stops saving tensor files before
+    they take more than that: ``stop()`` raises :class:`~pytest_msprobe.errors.DumpSizeError`.
     """
 
     def __init__(
@@ -68,6 +75,7 @@ class PrecisionDebugger:
         list: list[str] | None = None,
         data_mode: list[str] | None = None,
         summary_mode: str | None = None,
+        max_dump_size: int | str | None = None,
     ) -> None:
         self.config: DumpConfig = build_config(
             config_path,
@@ -80,6 +88,7 @@ class PrecisionDebugger:
             api_list=list,
             data_mode=data_mode,
             summary_mode=summary_mode,
+            max_dump_size=max_dump_size,
         )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model={type(model).__name__}: expected a torch.nn.Module")
@@ -90,6 +99,9 @@ class PrecisionDebugger:
         self._engine: StatEngine | None = None
         self._writer: TensorWriter | None = None
         self._files = BackgroundJobs(on_thread_start=intercept.silence_this_thread)
+        limit = self.config.max_dump_size
+        self._budget = SizeBudget(limit) if limit is not None else None
+        self._size_reported = False
         self._started = False
         self._closed = False
 
@@ -150,6 +162,7 @@ class PrecisionDebugger:
                 _STARTED = None
         if recorder is not None:
             self._write(recorder)
+        self._check_size()
 
     def step(self) -> None:
         """Advance to the next training step (stopping first if needed)."""
@@ -161,10 +174,12 @@ class PrecisionDebugger:
         """Stop, finish writing, and release everything; the debugger cannot be started again."""
         try:
             self.stop()
-            self._end_step()
-            self._files.wait()
         finally:
-            self._closed = True
+            try:  # also after stop() raised (the size limit): the files so far are finished, nothing left open
+                self._end_step()
+                self._files.wait()
+            finally:
+                self._closed = True
 
     def wait(self) -> None:
         """Block until every file of the steps stopped so far is written; raises DumpError if one failed."""
@@ -197,11 +212,22 @@ class PrecisionDebugger:
 
     # -- internals -----------------------------------------------------------------------------------------------
 
+    def _check_size(self) -> None:
+        """Raise, once, that the dump reached its size limit (its files written so far are complete)."""
+        budget = self._budget
+        if budget is None or budget.refused is None or self._size_reported:
+            return
+        self._size_reported = True
+        row = budget.refused[: -len(".pt")] if budget.refused.endswith(".pt") else budget.refused
+        raise DumpSizeError(self.config.dump_path, format_size(budget.limit), row)
+
     def _new_step_recorder(self) -> None:
         config = self.config
         sink = None
         if config.save_tensors:
-            self._writer = TensorWriter(self.step_path() / TENSOR_DIR, quiet=intercept.quiet)
+            self._writer = TensorWriter(
+                self.step_path() / TENSOR_DIR, quiet=intercept.quiet, budget=self._budget
+            )
             sink = self._writer.submit
         self._engine = StatEngine(md5=config.md5, tensor_sink=sink, worker_init=intercept.silence_this_thread)
         self._recorder = Recorder(config, self._engine)

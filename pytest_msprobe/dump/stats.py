@@ -239,13 +239,14 @@ class StatEngine:
 
     ``md5``: add a CRC32 of each tensor, from a snapshot taken when the item is built. ``tensor_sink``: when
     given (task ``tensor``), it receives ``(data_name, snapshot)`` for every tensor item, the snapshot being a
-    contiguous copy taken at that moment (so later in-place changes do not reach the file).
+    contiguous copy taken at that moment (so later in-place changes do not reach the file); a sink that returns
+    False refuses the tensor (the dump reached its size limit) and gets no more of this step.
     """
 
     def __init__(
         self,
         md5: bool = False,
-        tensor_sink: Callable[[str, torch.Tensor], None] | None = None,
+        tensor_sink: Callable[[str, torch.Tensor], bool | None] | None = None,
         cache_size: int = 64,
         worker_init: Callable[[], None] | None = None,
     ) -> None:
@@ -324,8 +325,10 @@ class StatEngine:
                 item["md5"] = None
                 self._pending_crc.append((item, crc))
         if self.tensor_sink is not None and data_name is not None and snap is not None:
-            item["data_name"] = data_name
-            self.tensor_sink(data_name, snap)
+            if self.tensor_sink(data_name, snap) is False:
+                self.tensor_sink = None  # the dump is full: no more copies, no data_name without a file
+            else:
+                item["data_name"] = data_name
         return item
 
     def _special_item(self, t: torch.Tensor, data_name: str | None) -> dict[str, Any]:
@@ -374,8 +377,10 @@ class StatEngine:
             except RuntimeError:
                 return item
             if not tp.__module__.startswith("torch._"):
-                item["data_name"] = data_name
-                self.tensor_sink(data_name, copy)
+                if self.tensor_sink(data_name, copy) is False:
+                    self.tensor_sink = None
+                else:
+                    item["data_name"] = data_name
         return item
 
     def _group(self, t: torch.Tensor, kind: int, scalar: bool) -> _Group:
