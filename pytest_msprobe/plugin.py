@@ -3,6 +3,12 @@
 Thin by design: settings are resolved in :mod:`.settings`, a test's run lives in :mod:`.runner`, reports are
 written by :mod:`.report`. Without ``--msprobe-baseline`` (or ini ``msprobe_baseline``) the plugin stays out of
 the way: msprobe tests run their training steps without dumping or comparing.
+
+Outcomes: a precision breach, a missing baseline or a dump problem of the test itself (nothing dumped, the size
+limit) is a FAILED test from the call phase. A baseline that cannot be used or written leaves the test without a
+verdict: it is an ERROR, from the set-up when the baseline's JSON files are broken, from the call phase when the
+problem shows only during the compare (a truncated tensor file) or the regeneration (a read-only folder); those
+call reports are counted as errors by :func:`pytest_report_teststatus`.
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ from typing import Any
 
 import pytest
 
-from pytest_msprobe.errors import MsprobeError
+from pytest_msprobe.errors import BaselineError, MsprobeError
 from pytest_msprobe.settings import INI_KEYS, SessionSettings, resolve_session, resolve_test
 
 SESSION_KEY = pytest.StashKey[SessionSettings]()
 RUN_KEY = pytest.StashKey[Any]()  # the item's MsprobeRun
 OUTCOME_KEY = pytest.StashKey[Any]()  # the item's runner.Outcome
+VERDICT = "msprobe_verdict"  # user property: passed, failed, missing, regenerated or error
 _LIST_INI = {"msprobe_dtype_rtol", "msprobe_api_rtol", "msprobe_skip_api"}
 
 
@@ -50,6 +57,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="msprobe_device",
         metavar="DEVICE",
         help="auto, cpu, cuda or npu; auto picks npu, then cuda, then cpu (ini: msprobe_device)",
+    )
+    group.addoption(
+        "--msprobe-max-dump-size",
+        dest="msprobe_max_dump_size",
+        metavar="SIZE",
+        help="stop a test's tensor dump before its files take more than SIZE, e.g. 500MB or 2GiB "
+        "(ini: msprobe_max_dump_size; marker: max_dump_size=)",
+    )
+    group.addoption(
+        "--msprobe-keep-dumps",
+        dest="msprobe_keep_dumps",
+        action="store_true",
+        default=False,
+        help="keep the dumps of passing tests and regenerated baselines; by default only those of tests that "
+        "fail or error stay in --msprobe-output (ini: msprobe_keep_dumps)",
     )
     add_threshold_options(group.addoption, prefix="msprobe-")
     for key, text in INI_KEYS.items():
@@ -118,6 +140,7 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
     else:
         problem = None
     if problem is not None:  # failed outside the except block: no chained traceback in the report
+        request.node.user_properties.append((VERDICT, "error"))
         pytest.fail(f"msprobe: {problem}", pytrace=False)
     request.node.stash[RUN_KEY] = run
     yield run
@@ -126,25 +149,32 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    result = yield  # a failing test body raises here: nothing to compare
     run = item.stash.get(RUN_KEY, None)
     if run is None:
-        return result
+        return (yield)
     from pytest_msprobe.runner import FAILED, MISSING
 
+    problem: str | None = None
+    verdict = "failed"
     try:
-        outcome = run.finish()
-    except MsprobeError as exc:
-        problem: str | None = str(exc)
+        result = yield  # a failing test body raises here: nothing to compare
+    except MsprobeError as exc:  # from the dump in the body (size limit, full disk): one line, no traceback
+        problem = run.describe(exc)
     else:
-        problem = None
-    if problem is not None:
-        item.user_properties.append(("msprobe_verdict", "error"))
+        try:
+            outcome = run.finish()
+        except MsprobeError as exc:
+            problem = run.describe(exc)
+            verdict = "error" if isinstance(exc, BaselineError) else "failed"
+    if problem is not None:  # failed outside the except block: no chained traceback in the report
+        item.user_properties.append((VERDICT, verdict))
+        if run.baseline_dir is not None:
+            item.user_properties.append(("msprobe_baseline", str(run.baseline_dir)))
         pytest.fail(f"msprobe: {problem}", pytrace=False)
     item.stash[OUTCOME_KEY] = outcome
     # on the item, so that the call and teardown reports (junitxml reads the latter) both carry them
     fd = outcome.result.first_divergence if outcome.result is not None else None
-    item.user_properties.append(("msprobe_verdict", outcome.kind))
+    item.user_properties.append((VERDICT, outcome.kind))
     item.user_properties.append(("msprobe_first_divergence", fd.api if fd is not None else ""))
     if outcome.baseline is not None:
         item.user_properties.append(("msprobe_baseline", str(outcome.baseline)))
@@ -171,6 +201,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+def pytest_report_teststatus(report: pytest.TestReport) -> tuple[str, str, str] | None:
+    """A call phase that could not reach a verdict (an unusable baseline found by the compare, a baseline that
+    cannot be written) counts as an error, as a set-up that fails does."""
+    if report.when == "call" and report.failed and dict(report.user_properties).get(VERDICT) == "error":
+        return "error", "E", "ERROR"
+    return None
+
+
 class _Summary:
     """Collects msprobe verdicts from test reports (on the xdist controller too) for the terminal summary."""
 
@@ -180,9 +218,9 @@ class _Summary:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         props = dict(report.user_properties)
-        if report.when == "call" and "msprobe_verdict" in props:
+        if VERDICT in props and (report.when == "call" or (report.when == "setup" and report.failed)):
             detail = props.get("msprobe_first_divergence") or props.get("msprobe_baseline", "")
-            self.lines.append((report.nodeid, str(props["msprobe_verdict"]), str(detail)))
+            self.lines.append((report.nodeid, str(props[VERDICT]), str(detail)))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.lines and not self.session.active:

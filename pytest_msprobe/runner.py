@@ -1,14 +1,16 @@
 """One msprobe test's run: seed, device, debugger, then regenerate the baseline or compare against it.
 
 This is what the ``msprobe`` fixture hands a test, and what the plugin finishes after the test body. It holds
-no pytest state: :meth:`MsprobeRun.finish` returns an :class:`Outcome` that the plugin turns into a pass, a
-failure or an error.
+no pytest state: :meth:`MsprobeRun.finish` returns an :class:`Outcome` that the plugin turns into a pass or a
+failure, and raises :class:`BaselineError` for what leaves the test without a verdict (a baseline that cannot be
+read or written), which the plugin reports as an error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import platform
 import shutil
 import sys
@@ -18,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_msprobe import __version__
-from pytest_msprobe.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root
-from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root, read_manifest
+from pytest_msprobe.errors import BaselineError, ConfigError, DumpFormatError, DumpSizeError, MsprobeError
 from pytest_msprobe.settings import SessionSettings, TestSettings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,6 +42,27 @@ class Outcome:
     baseline: Path | None = None
     result: CompareResult | None = None
     reports: dict[str, str] = field(default_factory=dict)
+
+
+def check_baseline(folder: Path) -> None:
+    """Raise DumpFormatError or BaselineError, naming the file and the problem, when the baseline in ``folder``
+    cannot be compared.
+
+    Reads every dump.json the compare would read, as the compare reads them, and our manifest; run before the
+    test body, so that a broken baseline is an error of the test's set-up rather than a failure after training.
+    """
+    from pytest_msprobe.compare.load import discover, read_dump
+
+    for location in discover(folder):
+        read_dump(location)
+    read_manifest(folder)
+
+
+def _inside(path: str, folder: Path) -> bool:
+    try:
+        return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
+    except ValueError:
+        return False
 
 
 class _NoDump:
@@ -137,6 +160,13 @@ class MsprobeRun:
         self.report_dir = self.output_dir / "compare"
         self.store = BaselineStore(session.baseline) if session.baseline is not None else None
         self.baseline_dir = self.store.path_for(nodeid) if self.store is not None else None
+        if self.store is not None and not session.regen:
+            with self.store.reading(nodeid) as folder:
+                if is_dump_root(folder):
+                    try:
+                        check_baseline(folder)
+                    except (DumpFormatError, BaselineError) as exc:
+                        raise BaselineError(f"unusable baseline: {exc}") from None
         self.debugger: Any
         if session.active:
             from pytest_msprobe import PrecisionDebugger
@@ -150,6 +180,7 @@ class MsprobeRun:
                 level=test.level,
                 step=list(test.steps),
                 summary_mode="md5" if md5 else None,
+                max_dump_size=test.max_dump_size,
             )
         else:
             self.debugger = _NoDump()
@@ -204,7 +235,11 @@ class MsprobeRun:
             self._determinism.restore()
 
     def finish(self) -> Outcome:
-        """After the test body: close the debugger, then regenerate the baseline or compare against it."""
+        """After the test body: close the debugger, then regenerate the baseline or compare against it.
+
+        Raises :class:`BaselineError` when the baseline cannot be read or written (no verdict: an error of the
+        test), :class:`MsprobeError` for the other problems (a failure).
+        """
         self.debugger.close()
         if not self.active or self.store is None or self.baseline_dir is None:
             return Outcome(INACTIVE)
@@ -215,24 +250,49 @@ class MsprobeRun:
             )
         if self.session.regen:
             path = self.store.write(self.nodeid, self.dump_dir, self.manifest())
+            self._drop_dump()  # the baseline is the copy
             return Outcome(REGENERATED, f"baseline written to {path}", baseline=path)
-        if not is_dump_root(self.baseline_dir):
-            return Outcome(
-                MISSING,
-                f"no baseline for this test at {self.baseline_dir}\n"
-                f"create it on the reference device with: {self.regen_command()}",
-                baseline=self.baseline_dir,
-            )
         from pytest_msprobe.compare import compare
         from pytest_msprobe.report import write_reports
         from pytest_msprobe.report.failure import failure_message
 
-        result = compare(self.dump_dir, self.baseline_dir, thresholds=self.settings.thresholds, stack=True)
+        with self.store.reading(self.nodeid) as baseline:
+            if not is_dump_root(baseline):
+                return Outcome(
+                    MISSING,
+                    f"no baseline for this test at {baseline}\n"
+                    f"create it on the reference device with: {self.regen_command()}",
+                    baseline=baseline,
+                )
+            try:
+                result = compare(self.dump_dir, baseline, thresholds=self.settings.thresholds, stack=True)
+            except DumpFormatError as exc:  # found only now, e.g. a truncated tensor file
+                which = "baseline" if _inside(exc.path, baseline) else "dump"
+                raise BaselineError(f"unusable {which}: {exc}") from None
         reports = write_reports(result, self.report_dir)
         if result.passed:
-            return Outcome(PASSED, baseline=self.baseline_dir, result=result, reports=reports)
-        message = failure_message(result, reports, self.baseline_dir, self.regen_command())
-        return Outcome(FAILED, message, baseline=self.baseline_dir, result=result, reports=reports)
+            self._drop_dump()
+            return Outcome(PASSED, baseline=baseline, result=result, reports=reports)
+        message = failure_message(result, reports, baseline, self.regen_command())
+        return Outcome(FAILED, message, baseline=baseline, result=result, reports=reports)
+
+    def _drop_dump(self) -> None:
+        """Remove this test's dump once it served (a pass, a regenerated baseline), unless asked to keep it."""
+        if self.session.keep_dumps:
+            return
+        shutil.rmtree(self.dump_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.output_dir.rmdir()  # only when empty: the compare reports stay
+
+    def describe(self, error: MsprobeError) -> str:
+        """The one-line message of a problem of this run, with the option that changes it where there is one."""
+        if isinstance(error, DumpSizeError):
+            return (
+                f"dump of {self.nodeid} reached the {error.limit} limit at {error.row}; raise "
+                "--msprobe-max-dump-size (or the marker's max_dump_size=) or dump fewer steps / use task "
+                "statistics"
+            )
+        return str(error)
 
     def regen_command(self) -> str:
         return f"pytest '{self.nodeid}' --msprobe-baseline={self.session.baseline} --msprobe-regen-baseline"

@@ -17,6 +17,7 @@ from typing import Any
 
 from pytest_msprobe.compare.thresholds import Thresholds, parse_threshold_value, thresholds_from_options
 from pytest_msprobe.device import DEVICE_CHOICES
+from pytest_msprobe.dump.config import parse_size
 from pytest_msprobe.errors import ConfigError
 
 TASKS = ("statistics", "tensor", "md5")
@@ -35,7 +36,9 @@ THRESHOLD_SETTINGS = {
     "amplification": "output/input error ratio that places the first divergence when errors flow in",
     "thresholds": "JSON file of thresholds",
 }
-MARKER_KEYS = frozenset({"task", "level", "steps", "seed", "msprobe_rule", *THRESHOLD_SETTINGS})
+MARKER_KEYS = frozenset(
+    {"task", "level", "steps", "seed", "msprobe_rule", "max_dump_size", *THRESHOLD_SETTINGS}
+)
 
 # ini keys (all strings) -> help; the plugin registers them
 INI_KEYS = {
@@ -47,6 +50,8 @@ INI_KEYS = {
     "msprobe_level": f"default level of msprobe tests: {', '.join(LEVELS)} (default: {DEFAULT_LEVEL})",
     "msprobe_steps": "default dumped steps of msprobe tests, e.g. '0 1' (default: 0 1)",
     "msprobe_seed": f"default seed of msprobe tests (default: {DEFAULT_SEED})",
+    "msprobe_max_dump_size": "most a test's tensor files may take, e.g. 500MB or 2GiB (--msprobe-max-dump-size)",
+    "msprobe_keep_dumps": "true: keep the dumps of passing tests and regenerated baselines (--msprobe-keep-dumps)",
     **{f"msprobe_{name}": text for name, text in THRESHOLD_SETTINGS.items()},
 }
 
@@ -61,6 +66,7 @@ class SessionSettings:
     regen: bool
     output: Path
     device: str
+    keep_dumps: bool = False  # keep the dumps of passing tests and regenerated baselines
 
     @property
     def active(self) -> bool:
@@ -76,6 +82,7 @@ class TestSettings:
     steps: tuple[int, ...]
     seed: int
     thresholds: Thresholds
+    max_dump_size: int | None = None  # bytes of tensor files the test's dump may take (None: no limit)
 
 
 def _truthy(value: Any, where: str) -> bool:
@@ -114,7 +121,17 @@ def resolve_session(cli: Getter, ini: Getter, invocation_dir: Path, ini_dir: Pat
         raise ConfigError(f"{where}: unknown device {device!r}, expected one of {', '.join(DEVICE_CHOICES)}")
     if regen and baseline is None:
         raise ConfigError("--msprobe-regen-baseline needs --msprobe-baseline=DIR (or ini msprobe_baseline)")
-    return SessionSettings(baseline=baseline, regen=regen, output=output, device=device)
+    keep_dumps = bool(cli("msprobe_keep_dumps")) or _truthy(
+        ini("msprobe_keep_dumps") or False, "ini msprobe_keep_dumps"
+    )
+    # resolved per test (a marker sits between them), checked here so that a bad value stops the run at once
+    if cli("msprobe_max_dump_size"):
+        parse_size(cli("msprobe_max_dump_size"), "--msprobe-max-dump-size")
+    if ini("msprobe_max_dump_size"):
+        parse_size(ini("msprobe_max_dump_size"), "ini msprobe_max_dump_size")
+    return SessionSettings(
+        baseline=baseline, regen=regen, output=output, device=device, keep_dumps=keep_dumps
+    )
 
 
 def _steps(value: Any, where: str) -> tuple[int, ...]:
@@ -178,6 +195,16 @@ def resolve_test(
     level = _choice(level_v[0], LEVELS, "level", level_v[1]) if level_v else DEFAULT_LEVEL
     steps = _steps(*steps_v) if steps_v else DEFAULT_STEPS
     seed = _seed(*seed_v) if seed_v else DEFAULT_SEED
+    size_cli = cli("msprobe_max_dump_size")
+    size_v = (
+        (size_cli, "--msprobe-max-dump-size")
+        if size_cli
+        else layered("max_dump_size", "msprobe_max_dump_size")
+    )
+    if size_v is not None and size_v[1] == where_marker:
+        size_v = (size_v[0], f"{where_marker}: max_dump_size")
+    # a marker's max_dump_size=None lifts the ini's limit for that test
+    max_dump_size = parse_size(*size_v) if size_v is not None and size_v[0] is not None else None
 
     options: dict[str, Any] = {}
     for name in THRESHOLD_SETTINGS:
@@ -197,4 +224,4 @@ def resolve_test(
         options["no_msprobe_rule"] = True
     elif "msprobe_rule" in marker:
         options["no_msprobe_rule"] = not _truthy(marker["msprobe_rule"], f"{where_marker}: msprobe_rule")
-    return TestSettings(task, level, steps, seed, thresholds_from_options(options))
+    return TestSettings(task, level, steps, seed, thresholds_from_options(options), max_dump_size)

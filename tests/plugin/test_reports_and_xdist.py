@@ -139,3 +139,47 @@ def test_xdist_regen_and_compare_many_tests(pytester: pytest.Pytester, train_sou
         reports = pytester.path / "msprobe-output" / "test_many" / folder / "compare"
         assert (reports / "summary.json").is_file()
         assert len(list(reports.glob("compare_result_*.xlsx"))) == 1
+
+
+def test_four_workers_regen_and_compare_twelve_tests_without_clashes(
+    pytester: pytest.Pytester, train_source: str
+) -> None:
+    import json
+
+    import openpyxl
+
+    rates = [f"{0.01 * (i + 1):.2f}" for i in range(12)]
+    body = train_source.replace(
+        "MARKER",
+        f"@pytest.mark.parametrize('lr', {rates!r})\n@pytest.mark.msprobe(steps=[0, 1])",
+    ).replace(
+        "def test_train(msprobe):\n    train(msprobe)", "def test_train(msprobe, lr):\n    train(msprobe)"
+    )
+    pytester.makepyfile(test_many=body)
+    ids = [f"test_train[{rate}]" for rate in rates]
+    regen = pytester.runpytest_subprocess(
+        *BASE, "-n", "4", "--msprobe-baseline=bl", "--msprobe-regen-baseline"
+    )
+    regen.assert_outcomes(passed=12)
+    regen.stdout.fnmatch_lines(["*12 baseline(s) written to*"])
+    assert sorted(p.name for p in (pytester.path / "bl" / "test_many").iterdir()) == sorted(ids)
+    assert list((pytester.path / "msprobe-output").rglob("*.json")) == [], "the baselines are the copies"
+    for name in ids:
+        manifest = json.loads(
+            (pytester.path / "bl" / "test_many" / name / "msprobe_manifest.json").read_text()
+        )
+        assert manifest["test"] == f"test_many.py::{name}"
+
+    compared = pytester.runpytest_subprocess(*BASE, "-n", "4", "--msprobe-baseline=bl")
+    compared.assert_outcomes(passed=12)
+    summary = [line for line in compared.stdout.lines if line.startswith("PASSED       test_many.py::")]
+    assert sorted(line.split("::")[1].split()[0] for line in summary) == sorted(ids)
+    output = pytester.path / "msprobe-output" / "test_many"
+    assert sorted(p.name for p in output.iterdir()) == sorted(ids)
+    for name in ids:
+        reports = output / name / "compare"
+        assert sorted(p.name for p in (output / name).iterdir()) == ["compare"], "dumps of passes removed"
+        assert json.loads((reports / "summary.json").read_text())["passed"] is True
+        (xlsx,) = reports.glob("compare_result_*.xlsx")
+        sheet = openpyxl.load_workbook(xlsx).worksheets[0]
+        assert sheet.max_row > 100

@@ -111,7 +111,7 @@ def test_precedence_cli_over_marker_over_ini(
 
 def test_ini_turns_the_gate_on_and_resolves_paths_from_the_ini(pytester: pytest.Pytester, train_test) -> None:
     train_test()
-    pytester.makeini("[pytest]\nmsprobe_baseline = bl\nmsprobe_output = out\n")
+    pytester.makeini("[pytest]\nmsprobe_baseline = bl\nmsprobe_output = out\nmsprobe_keep_dumps = true\n")
     sub = pytester.mkdir("sub")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(sub)
