@@ -238,6 +238,7 @@ def test_sigkill_at_random_moments_of_repeated_regens(
     folder = store.root / baseline_folder(NODEID)
     rng = random.Random(5)
     seen = set()
+    mid_write = 0  # kills that landed inside a write (something left to recover)
     for _ in range(8):
         proc = _child(tmp_path, "a", "b", "--loop", *(["--fallback"] if fallback else []))
         assert proc.stdout is not None
@@ -247,10 +248,12 @@ def test_sigkill_at_random_moments_of_repeated_regens(
         assert proc.wait(timeout=60) == -signal.SIGKILL
         if not fallback:  # the exchange leaves no moment without a whole baseline in place
             assert _version_of(folder) in {"a", "b"}
+        mid_write += bool(_leftovers(store))
         store.path_for(NODEID)
         seen.add(_version_of(folder))
         assert _leftovers(store) == []
     assert seen <= {"a", "b"}
+    assert mid_write >= 4, "the kills should land inside writes"
 
 
 _READER = textwrap.dedent(
