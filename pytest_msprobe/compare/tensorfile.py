@@ -19,10 +19,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import stat
 import struct
 import zipfile
+import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -263,13 +265,22 @@ class TensorFile:
                 yield widen(flat[start : start + block], self.dtype)
             return
         disk = np.dtype(self.disk_dtype)
-        with open(self.path, "rb", buffering=0) as fh:
+        try:
+            fh = open(self.path, "rb", buffering=0)  # noqa: SIM115 (closed below, across the yields)
+        except OSError as exc:
+            raise DumpFormatError(self.path, f"cannot read tensor file ({exc.strerror or exc})") from None
+        with fh:
             fh.seek(self.data_offset)
             buf = np.empty(min(block, total), dtype=disk)
             for start in range(0, total, block):
                 count = min(block, total - start)
                 view = buf[:count]
-                got = fh.readinto(view.view(np.uint8).data)
+                try:
+                    got = fh.readinto(view.view(np.uint8).data)
+                except OSError as exc:
+                    raise DumpFormatError(
+                        self.path, f"cannot read tensor data ({exc.strerror or exc})"
+                    ) from None
                 if got != count * disk.itemsize:
                     raise DumpFormatError(self.path, "tensor data is truncated")
                 yield widen(view if disk.isnative else view.astype(disk.newbyteorder("=")), self.dtype)
@@ -285,26 +296,63 @@ class TensorFile:
         return flat.reshape(self.shape)
 
 
-def open_tensor(path: str | os.PathLike[str]) -> TensorFile:
-    """Open a dumped tensor (``torch.save`` zip archive, legacy torch file, or ``.npy``) for reading."""
+def open_tensor(
+    path: str | os.PathLike[str],
+    dtype: str | None = None,
+    shape: Sequence[int] | None = None,
+) -> TensorFile:
+    """Open a dumped tensor (``torch.save`` zip archive, legacy torch file, or ``.npy``) for reading.
+
+    Only the header is read (the pickle of a torch archive, the header of a .npy), so opening is cheap
+    whatever the tensor's size; the values are read by :meth:`TensorFile.blocks`. With ``dtype`` (torch's
+    name, ``torch.float32`` or ``float32``) and ``shape``, a file holding another tensor than its dump.json
+    record describes is refused. Every unusable file raises :class:`DumpFormatError` naming it.
+    """
     path = os.fspath(path)
     try:
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            raise DumpFormatError(path, "is a folder, not a tensor file")
+        if not stat.S_ISREG(info.st_mode):
+            raise DumpFormatError(path, "not a regular file")
         with open(path, "rb") as fh:
             magic = fh.read(6)
     except OSError as exc:
         raise DumpFormatError(path, f"cannot read tensor file ({exc.strerror or exc})") from None
+    if not magic:
+        raise DumpFormatError(path, "empty file (0 bytes)")
     if magic.startswith(b"\x93NUMPY"):
-        return _open_npy(path)
-    if magic.startswith(b"PK"):
-        return _open_torch_zip(path)
-    return _open_torch_legacy(path)
+        tensor = _open_npy(path)
+    elif magic.startswith(b"PK"):
+        tensor = _open_torch_zip(path, info.st_size)
+    elif magic.startswith(b"\x80"):  # a pickle: torch's format before 1.6
+        tensor = _open_torch_legacy(path)
+    else:
+        raise DumpFormatError(path, "not a tensor file (neither a torch.save archive nor a .npy file)")
+    if dtype is not None or shape is not None:
+        check_tensor(tensor, dtype, shape)
+    return tensor
+
+
+def check_tensor(tensor: TensorFile, dtype: str | None, shape: Sequence[int] | None) -> None:
+    """Refuse a tensor file whose dtype or shape is not what its dump.json record says."""
+    said = dtype.rsplit(".", 1)[-1] if dtype is not None else tensor.dtype
+    said_shape = tuple(shape) if shape is not None else tensor.shape
+    if said != tensor.dtype or said_shape != tensor.shape:
+        raise DumpFormatError(
+            tensor.path,
+            f"holds a {tensor.dtype} tensor of shape {list(tensor.shape)}, but dump.json says "
+            f"{dtype or tensor.dtype} of shape {list(said_shape)}",
+        )
 
 
 def _open_npy(path: str) -> TensorFile:
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as exc:
+    except Exception as exc:  # numpy's header parser raises several types; none may run code (no pickle)
         raise DumpFormatError(path, f"not a readable .npy file ({exc})") from None
+    if not isinstance(array, np.ndarray):
+        raise DumpFormatError(path, "not a readable .npy file (holds no array)")
     names = {np.dtype(v).str: k for k, v in _DISK_DTYPES.items() if not k.startswith(("bfloat", "float8"))}
     dtype = names.get(array.dtype.newbyteorder("<").str if array.dtype.byteorder == ">" else array.dtype.str)
     if dtype is None:
@@ -312,7 +360,22 @@ def _open_npy(path: str) -> TensorFile:
     return TensorFile(path, dtype, tuple(int(s) for s in array.shape), array=array)
 
 
-def _open_torch_zip(path: str) -> TensorFile:
+# what reading a damaged zip archive can raise, besides BadZipFile
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    NotImplementedError,  # an unsupported compression method
+    RuntimeError,  # an encrypted member
+    EOFError,
+    OSError,
+    ValueError,
+    KeyError,
+    struct.error,
+    zlib.error,
+)
+
+
+def _open_torch_zip(path: str, file_size: int) -> TensorFile:
     try:
         with zipfile.ZipFile(path) as archive:
             infos = {info.filename: info for info in archive.infolist()}
@@ -320,23 +383,24 @@ def _open_torch_zip(path: str) -> TensorFile:
             if len(pkl) != 1:
                 raise DumpFormatError(path, "not a torch.save archive (no <name>/data.pkl)")
             prefix = pkl[0][: -len("data.pkl")]
-            if infos[pkl[0]].file_size > _MAX_PICKLE_BYTES:
+            if max(infos[pkl[0]].file_size, infos[pkl[0]].compress_size) > _MAX_PICKLE_BYTES:
                 raise DumpFormatError(path, "data.pkl is too large for a single tensor")
             pickled = archive.read(pkl[0])
             byteorder = "little"
-            if prefix + "byteorder" in infos:
-                byteorder = archive.read(prefix + "byteorder").decode("ascii", "replace").strip()
-    except zipfile.BadZipFile as exc:
-        raise DumpFormatError(path, f"corrupt torch archive ({exc})") from None
+            order = infos.get(prefix + "byteorder")
+            if order is not None:
+                if order.file_size > 16:
+                    raise DumpFormatError(path, f"unknown byteorder ({order.file_size} bytes)")
+                byteorder = archive.read(order).decode("ascii", "replace").strip()
+    except _ZIP_ERRORS as exc:
+        raise DumpFormatError(path, f"corrupt torch archive ({exc or type(exc).__name__})") from None
     if byteorder not in ("little", "big"):
         raise DumpFormatError(path, f"unknown byteorder {byteorder!r}")
 
     try:
         spec = _Unpickler(io.BytesIO(pickled)).load()
-    except DumpFormatError:
-        raise
     except Exception as exc:  # any malformed or hostile pickle: refuse, never execute
-        raise DumpFormatError(path, f"refused to load: {exc}") from None
+        raise DumpFormatError(path, f"refused to load: {exc or type(exc).__name__}") from None
     if not isinstance(spec, _TensorSpec):
         raise DumpFormatError(path, f"refused to load: holds a {type(spec).__name__}, not a tensor")
 
@@ -361,12 +425,24 @@ def _open_torch_zip(path: str) -> TensorFile:
         raise DumpFormatError(
             path, f"tensor of shape {list(spec.shape)} does not fit its storage of {storage_elems} elements"
         )
-    start = _member_data_offset(path, member) + spec.offset * itemsize
+    base = _member_data_offset(path, member)
+    if member.compress_type == zipfile.ZIP_STORED and base + storage_elems * itemsize > file_size:
+        raise DumpFormatError(
+            path,
+            f"tensor data is truncated (its storage needs {storage_elems * itemsize} bytes from offset {base}, "
+            f"the file has {file_size})",
+        )
+    start = base + spec.offset * itemsize
     contiguous = numel == 0 or _is_contiguous(spec.shape, spec.stride)
     if contiguous and member.compress_type == zipfile.ZIP_STORED:
         return TensorFile(path, spec.dtype, spec.shape, data_offset=start, disk_dtype=disk.str)
     # a view with gaps (or a compressed member): load the storage once and gather
-    raw = _read_member(path, member, disk, storage_elems)
+    try:
+        raw = _read_member(path, member, disk, storage_elems)
+    except _ZIP_ERRORS as exc:
+        raise DumpFormatError(path, f"corrupt torch archive ({exc or type(exc).__name__})") from None
+    if raw.size != storage_elems:  # as_strided must never reach past the bytes read
+        raise DumpFormatError(path, "tensor data is truncated")
     view = np.lib.stride_tricks.as_strided(
         raw[spec.offset :], shape=spec.shape, strides=[st * itemsize for st in spec.stride], writeable=False
     )
@@ -387,9 +463,12 @@ def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 def _member_data_offset(path: str, member: zipfile.ZipInfo) -> int:
     """Where a stored member's bytes start: after its local header, whose extra field may differ."""
-    with open(path, "rb") as fh:
-        fh.seek(member.header_offset)
-        header = fh.read(30)
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(member.header_offset)
+            header = fh.read(30)
+    except OSError as exc:
+        raise DumpFormatError(path, f"cannot read tensor file ({exc.strerror or exc})") from None
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         raise DumpFormatError(path, "corrupt torch archive (bad local header)")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
