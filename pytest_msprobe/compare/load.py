@@ -11,6 +11,7 @@ inputs and outputs are flattened into rows named the way msprobe's compare names
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -454,6 +455,7 @@ def _num(value: Any, key: str) -> float | None:
     raise ValueError(f"{key} is {_short(value)}, not a number")
 
 
+@functools.lru_cache(maxsize=256)
 def _itemsize(dtype: str) -> int:
     """Bytes per element of a dtype named like ``torch.float32`` (1 when the name does not say)."""
     bits = re.search(r"\d+", dtype.rsplit(".", 1)[-1])
