@@ -19,8 +19,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import stat
 import struct
+import warnings
 import zipfile
 import zlib
 from collections import OrderedDict
@@ -211,6 +213,29 @@ def _allowed_global(module: str, name: str) -> Any:
     return None
 
 
+# The opcodes of the pickle of a saved tensor (torch.save, protocols 2 to 4), and the others that only build
+# plain values. Left out: everything that builds objects (INST, OBJ, NEWOBJ, BUILD), the out-of-band buffers
+# of protocol 5, and BYTEARRAY8, for which the C unpickler allocates the declared size before reading it.
+# fmt: off
+_OPCODES = frozenset([
+    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "GLOBAL", "STACK_GLOBAL", "REDUCE", "BINPERSID",
+    "BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET", "PUT", "GET",
+    "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG", "BINFLOAT", "FLOAT",
+    "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE",
+    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST", "APPEND", "APPENDS", "LIST",
+    "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS",
+])
+# fmt: on
+
+
+def _check_opcodes(pickled: bytes) -> None:
+    """Walk the pickle without running it (lengths are checked against the bytes there, nothing allocated
+    from them) and refuse any opcode a saved tensor does not need."""
+    for opcode, _, pos in pickletools.genops(pickled):
+        if opcode.name not in _OPCODES:
+            raise pickle.UnpicklingError(f"refused opcode {opcode.name} at byte {pos}")
+
+
 class _Unpickler(pickle.Unpickler):
     """Resolves only the globals a plain saved tensor needs; everything else is refused."""
 
@@ -296,6 +321,10 @@ class TensorFile:
         return flat.reshape(self.shape)
 
 
+# torch's format before 1.6 starts with this pickled magic number (0x1950a86a20f9469cfc6c)
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
+
+
 def open_tensor(
     path: str | os.PathLike[str],
     dtype: str | None = None,
@@ -316,7 +345,7 @@ def open_tensor(
         if not stat.S_ISREG(info.st_mode):
             raise DumpFormatError(path, "not a regular file")
         with open(path, "rb") as fh:
-            magic = fh.read(6)
+            magic = fh.read(len(_LEGACY_MAGIC))
     except OSError as exc:
         raise DumpFormatError(path, f"cannot read tensor file ({exc.strerror or exc})") from None
     if not magic:
@@ -325,7 +354,7 @@ def open_tensor(
         tensor = _open_npy(path)
     elif magic.startswith(b"PK"):
         tensor = _open_torch_zip(path, info.st_size)
-    elif magic.startswith(b"\x80"):  # a pickle: torch's format before 1.6
+    elif magic == _LEGACY_MAGIC:
         tensor = _open_torch_legacy(path)
     else:
         raise DumpFormatError(path, "not a tensor file (neither a torch.save archive nor a .npy file)")
@@ -393,14 +422,15 @@ def _open_torch_zip(path: str, file_size: int) -> TensorFile:
                     raise DumpFormatError(path, f"unknown byteorder ({order.file_size} bytes)")
                 byteorder = archive.read(order).decode("ascii", "replace").strip()
     except _ZIP_ERRORS as exc:
-        raise DumpFormatError(path, f"corrupt torch archive ({exc or type(exc).__name__})") from None
+        raise DumpFormatError(path, f"corrupt torch archive ({str(exc) or type(exc).__name__})") from None
     if byteorder not in ("little", "big"):
         raise DumpFormatError(path, f"unknown byteorder {byteorder!r}")
 
     try:
+        _check_opcodes(pickled)
         spec = _Unpickler(io.BytesIO(pickled)).load()
     except Exception as exc:  # any malformed or hostile pickle: refuse, never execute
-        raise DumpFormatError(path, f"refused to load: {exc or type(exc).__name__}") from None
+        raise DumpFormatError(path, f"refused to load: {str(exc) or type(exc).__name__}") from None
     if not isinstance(spec, _TensorSpec):
         raise DumpFormatError(path, f"refused to load: holds a {type(spec).__name__}, not a tensor")
 
@@ -440,7 +470,7 @@ def _open_torch_zip(path: str, file_size: int) -> TensorFile:
     try:
         raw = _read_member(path, member, disk, storage_elems)
     except _ZIP_ERRORS as exc:
-        raise DumpFormatError(path, f"corrupt torch archive ({exc or type(exc).__name__})") from None
+        raise DumpFormatError(path, f"corrupt torch archive ({str(exc) or type(exc).__name__})") from None
     if raw.size != storage_elems:  # as_strided must never reach past the bytes read
         raise DumpFormatError(path, "tensor data is truncated")
     view = np.lib.stride_tricks.as_strided(
@@ -489,7 +519,9 @@ def _open_torch_legacy(path: str) -> TensorFile:
     except ImportError:
         raise DumpFormatError(path, "not a zip torch archive or .npy, and torch is not installed") from None
     try:
-        value = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about odd pickle protocols: the file is refused anyway
+            warnings.simplefilter("ignore")
+            value = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise DumpFormatError(path, f"cannot load tensor ({type(exc).__name__}: {exc})") from None
     if not isinstance(value, torch.Tensor):

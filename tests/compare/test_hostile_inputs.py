@@ -393,6 +393,17 @@ def _negative_storage(file: Path, tmp: Path) -> tuple[Path, str]:
     )
 
 
+def _bytearray_bomb(file: Path, tmp: Path) -> tuple[Path, str]:
+    # protocol 5's BYTEARRAY8 declaring 8 GiB: CPython's unpickler would allocate it before reading
+    torch_archive(file, b"\x80\x05\x96" + struct.pack("<Q", 1 << 33) + b"abc.")
+    return file, "refused to load: expected 8589934592 bytes in a bytearray8, but only 4 remain"
+
+
+def _bytearray(file: Path, tmp: Path) -> tuple[Path, str]:
+    torch_archive(file, b"\x80\x05\x96" + struct.pack("<Q", 3) + b"abc.")
+    return file, "refused to load: refused opcode BYTEARRAY8 at byte 2"
+
+
 def _short_storage(file: Path, tmp: Path) -> tuple[Path, str]:
     # the pickle is honest about its storage (64 floats) but the tensor needs 6144 of them
     torch_archive(file, tensor_pickle(64, (8, 3, 16, 16), (768, 256, 16, 1)), b"\0" * 256)
@@ -470,6 +481,8 @@ TENSOR_CORPUS: dict[str, Callable[[Path], Broken]] = {
     "pickle-huge-storage": tensor_file_case(_huge_storage),
     "pickle-negative-storage": tensor_file_case(_negative_storage),
     "storage-too-short": tensor_file_case(_short_storage),
+    "pickle-bytearray-bomb": tensor_file_case(_bytearray_bomb),
+    "pickle-bytearray": tensor_file_case(_bytearray),
     "other-shape": tensor_file_case(_other_shape),
     "other-dtype": _dtype_lie,
     "npy-with-objects": tensor_file_case(_npy_with_objects),
@@ -553,6 +566,21 @@ def test_the_payloads_are_live(func: Any, arg: str, tmp_path: Path, monkeypatch:
     assert (tmp_path / "pwned").exists()
 
 
+def test_a_pickle_declaring_gigabytes_allocates_nothing(tmp_path: Path) -> None:
+    import tracemalloc
+
+    path = tmp_path / "bomb.pt"
+    _bytearray_bomb(path, tmp_path)
+    tracemalloc.start()
+    try:
+        with pytest.raises(DumpFormatError, match="bytearray8"):
+            open_tensor(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
 def test_the_hand_made_pickle_is_a_real_tensor(tmp_path: Path) -> None:
     """The corpus's hand-assembled archives are what torch.save writes: an honest one reads back."""
     values = np.arange(12, dtype="<f4")
@@ -561,13 +589,19 @@ def test_the_hand_made_pickle_is_a_real_tensor(tmp_path: Path) -> None:
 
 
 def test_a_hostile_dump_runs_no_code_even_via_the_legacy_torch_path(tmp_path: Path) -> None:
-    """A bare pickle (torch's pre-zip format) goes to torch.load(weights_only=True), which refuses it too."""
+    """Torch's pre-zip format goes to torch.load(weights_only=True), which refuses a hostile pickle too; a
+    bare pickle without that format's magic number is not a tensor file at all (torch is not even imported)."""
     marker = tmp_path / "pwned"
+    hostile = pickle.dumps(_Payload(os.system, f"touch {marker}"), protocol=2)
     path = tmp_path / "legacy.pt"
-    path.write_bytes(pickle.dumps(_Payload(os.system, f"touch {marker}"), protocol=2))
-    with pytest.raises(DumpFormatError, match="cannot load tensor") as info:
-        open_tensor(path)
-    assert info.value.path == str(path) and not marker.exists()
+    for content in (pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2) + hostile * 4, hostile):
+        path.write_bytes(content)
+        with pytest.raises(DumpFormatError) as info:
+            open_tensor(path)
+        assert info.value.path == str(path) and not marker.exists()
+        assert info.value.problem.startswith(
+            "cannot load tensor" if content != hostile else "not a tensor file"
+        )
 
 
 # --------------------------------------------------------------------------------------------- unreadable files
