@@ -46,7 +46,7 @@ def pairs(draw: st.DrawFn, nonzero_baseline: bool = False) -> tuple[np.ndarray, 
         )
         b = (a * (1 + noise)).astype(dtype) if how == "perturbed" else a.copy()
     if nonzero_baseline:
-        b = np.where(b == 0, dtype(1), b).astype(dtype)
+        b = np.where(b == 0, 1, b).astype(dtype)
     return a, b
 
 
