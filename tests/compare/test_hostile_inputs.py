@@ -529,6 +529,23 @@ def test_broken_dump(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert_unusable(CORPUS[name](tmp_path), tmp_path, capsys)
 
 
+@pytest.mark.parametrize("name", list(CORPUS) + [f"tensor:{name}" for name in TENSOR_CORPUS])
+def test_a_broken_baseline_gets_the_same_error(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same corpus given as the baseline (the target sound): the error names the baseline's file."""
+    monkeypatch.chdir(tmp_path)
+    broken = TENSOR_CORPUS[name[7:]](tmp_path) if name.startswith("tensor:") else CORPUS[name](tmp_path)
+    with pytest.raises(DumpFormatError) as info:
+        compare(broken.baseline, broken.target)
+    assert (info.value.path, info.value.problem) == (os.fspath(broken.path), broken.problem)
+    code = main(["compare", str(broken.baseline), str(broken.target), "-o", str(tmp_path / "out")])
+    assert (
+        code == 2 and capsys.readouterr().err == f"pytest-msprobe: error: {broken.path}: {broken.problem}\n"
+    )
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("pwned*"))
+
+
 @pytest.mark.parametrize("name", list(TENSOR_CORPUS))
 def test_broken_tensor_file(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
