@@ -70,13 +70,13 @@ def compare(
     ``target`` and ``baseline`` are a dump.json, a rank folder, a step folder or a dump root; all their steps
     and ranks are compared, paired by step and rank. A step or rank that only one side has is reported and the
     rest compared: one the baseline has and the target lacks fails the compare (the run under test did not do
-    all the baseline did: it stopped early, a rank died, its steps changed), one only the target has does
-    not (there is nothing to hold it to). Unusable input (a broken or hostile file, an empty dump, no step
-    and rank in common) raises :class:`DumpFormatError` naming the file, before any report could be written.
-    ``mode`` is ``auto`` (tensor when both dumps hold
-    tensors, md5 when both hold CRCs, else statistics) or one of those. ``jobs`` > 1 reads tensor files in
-    that many processes. ``stack`` attaches every call's stack (for the xlsx); the first divergence's stack
-    is always attached. Unusable input raises :class:`DumpFormatError`.
+    all the baseline did: it stopped early, a rank died, its steps changed), one only the target has does not
+    (there is nothing to hold it to). ``mode`` is ``auto`` (tensor when both dumps hold tensors, md5 when both
+    hold CRCs, else statistics) or one of those. ``jobs`` > 1 reads tensor files in that many processes.
+    ``stack`` attaches every call's stack (for the xlsx); the first divergence's stack is always attached.
+
+    Unusable input (a broken or hostile file, an empty dump, no step and rank in common) raises
+    :class:`DumpFormatError` naming the file and the problem, before anything could be reported.
 
         >>> result = compare("npu_dump", "gpu_dump")          # doctest: +SKIP
         >>> result.passed, result.first_divergence.api         # doctest: +SKIP

@@ -284,7 +284,7 @@ _JSON_KINDS = {
     bool: "a boolean",
     type(None): "null",
 }
-# statistics msprobe writes as text for "no value"
+# text that stands for "no value" where a statistic should be: read as a missing statistic, like null
 _NO_VALUE = frozenset({"", "n/a", "na", "none", "null"})
 
 

@@ -5,13 +5,17 @@ that rebuilds the tensor from storages) and ``<name>/data/<key>`` (each storage'
 torch costs ~2 s and ~650 MB just to import torch, so this module does what ``torch.load(weights_only=True)``
 does for a plain tensor, with numpy:
 
-* the pickle is read by an unpickler whose only reachable globals are an allow-list mapped to constructors of
-  this module (a hostile pickle cannot run code: anything else is refused with :class:`DumpFormatError`);
+* the pickle is first walked without being run (every opcode a saved tensor does not need is refused, and no
+  declared length is trusted before the bytes are there), then read by an unpickler whose only reachable
+  globals are an allow-list mapped to constructors of this module (a hostile pickle cannot run code:
+  anything else is refused with :class:`DumpFormatError`);
 * the storage bytes are read straight from the archive at their offset (one read per block, no copy of the
   archive), honouring the storage offset, size and stride, with checks that they fit the bytes on disk;
 * bfloat16 and float8 are widened to float32 (bfloat16: its 16 bits are the top half of a float32).
 
-Archives in torch's legacy (pre-1.6, non-zip) format fall back to ``torch.load(weights_only=True)``.
+Archives in torch's legacy (pre-1.6, non-zip) format, recognised by their magic number, fall back to
+``torch.load(weights_only=True)``. Every unusable file (missing, a folder, empty, truncated, corrupt, hostile,
+holding another dtype or shape than its dump.json record) raises :class:`DumpFormatError` naming it.
 """
 
 from __future__ import annotations
