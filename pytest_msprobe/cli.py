@@ -3,8 +3,14 @@
     pytest-msprobe compare TARGET BASELINE -o OUT [--fuzzy] [--mode M] [-j N] [threshold options]
     pytest-msprobe compare -i compare.json -o OUT [-s]        # msprobe 8.x's form
 
-Exit status: 0 when every API is within its thresholds, 1 when any breaches, 2 on unusable input or a usage
-error (one line on stderr naming the file and the problem).
+Exit status: 0 when every API is within its thresholds, 1 when any breaches or the target lacks a step or rank
+the baseline has, 2 on unusable input or a usage error (one line on stderr naming the file and the problem;
+no report is written).
+
+A missing step or rank is a 1, not a 2: both dumps are usable, and what they show is that the run being
+checked did not do all the baseline did (it stopped early, a rank died, the dumped steps changed), which is
+the run's failure, for a CI gate as red as a breach. A step or rank only the target has is reported and
+passes: nothing holds it to anything.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare a target dump (e.g. the NPU run) with a baseline dump (e.g. the GPU run): "
         "align their API calls, judge every row against the thresholds, name the first divergence, and "
         "write compare_result_{timestamp}.xlsx, advisor_{timestamp}.txt and summary.json to OUT.",
-        epilog="exit status: 0 all within thresholds, 1 any API breaches, 2 unusable input or usage error",
+        epilog="exit status: 0 all within thresholds, 1 any API breaches or a step/rank of the baseline is "
+        "missing in the target, 2 unusable input or usage error",
     )
     cmp.add_argument(
         "target",

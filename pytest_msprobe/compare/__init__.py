@@ -20,18 +20,21 @@ from pytest_msprobe.compare.thresholds import (
     add_threshold_options,
     thresholds_from_options,
 )
+from pytest_msprobe.compare.validate import DumpCheck, validate
 
 __all__ = [
     "ApiResult",
     "ApiRule",
     "CompareResult",
     "Divergence",
+    "DumpCheck",
     "RowResult",
     "Thresholds",
     "Tolerance",
     "add_threshold_options",
     "compare",
     "thresholds_from_options",
+    "validate",
 ]
 
 

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pytest_msprobe.compare.align import Alignment, align
 from pytest_msprobe.compare.load import (
@@ -68,10 +68,15 @@ def compare(
     """Compare a target dump with a baseline dump.
 
     ``target`` and ``baseline`` are a dump.json, a rank folder, a step folder or a dump root; all their steps
-    and ranks are compared, paired by step and rank. ``mode`` is ``auto`` (tensor when both dumps hold
-    tensors, md5 when both hold CRCs, else statistics) or one of those. ``jobs`` > 1 reads tensor files in
-    that many processes. ``stack`` attaches every call's stack (for the xlsx); the first divergence's stack
-    is always attached. Unusable input raises :class:`DumpFormatError`.
+    and ranks are compared, paired by step and rank. A step or rank that only one side has is reported and the
+    rest compared: one the baseline has and the target lacks fails the compare (the run under test did not do
+    all the baseline did: it stopped early, a rank died, its steps changed), one only the target has does not
+    (there is nothing to hold it to). ``mode`` is ``auto`` (tensor when both dumps hold tensors, md5 when both
+    hold CRCs, else statistics) or one of those. ``jobs`` > 1 reads tensor files in that many processes.
+    ``stack`` attaches every call's stack (for the xlsx); the first divergence's stack is always attached.
+
+    Unusable input (a broken or hostile file, an empty dump, no step and rank in common) raises
+    :class:`DumpFormatError` naming the file and the problem, before anything could be reported.
 
         >>> result = compare("npu_dump", "gpu_dump")          # doctest: +SKIP
         >>> result.passed, result.first_divergence.api         # doctest: +SKIP
@@ -81,7 +86,7 @@ def compare(
         raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     thresholds = thresholds or Thresholds()
     t_locs, b_locs = discover(target), discover(baseline)
-    pairs, unpaired = _pair_locations(t_locs, b_locs, target, baseline)
+    pairs, unpaired, missing = _pair_locations(t_locs, b_locs, target, baseline)
     builder = _Builder(thresholds, mode)
     for t_loc, b_loc in pairs:
         t_dump, b_dump = read_dump(t_loc), read_dump(b_loc)
@@ -110,6 +115,7 @@ def compare(
         first_divergence=divergence,
         pairs=tuple(builder.pairs),
         unpaired=tuple(unpaired),
+        missing=tuple(missing),
         thresholds=thresholds,
         timestamp=datetime.datetime.now().strftime("%Y%m%d%H%M%S"),
         stacks=stacks,
@@ -127,17 +133,21 @@ def _describe(loc: DumpLocation) -> str:
 
 def _pair_locations(
     t_locs: list[DumpLocation], b_locs: list[DumpLocation], target: Any, baseline: Any
-) -> tuple[list[tuple[DumpLocation, DumpLocation]], list[str]]:
+) -> tuple[list[tuple[DumpLocation, DumpLocation]], list[str], list[str]]:
+    """Pairs of dumps by (step, rank), notes of the dumps one side only has, and those of them the target
+    lacks (which fail the compare)."""
     if len(t_locs) == 1 and len(b_locs) == 1:
-        return [(t_locs[0], b_locs[0])], []
+        return [(t_locs[0], b_locs[0])], [], []
     b_by_key = {(loc.step, loc.rank): loc for loc in b_locs}
     t_keys = {(loc.step, loc.rank) for loc in t_locs}
     pairs = [(loc, b_by_key[(loc.step, loc.rank)]) for loc in t_locs if (loc.step, loc.rank) in b_by_key]
+    missing = [
+        f"baseline {_describe(loc)}: not in the target"
+        for loc in b_locs
+        if (loc.step, loc.rank) not in t_keys
+    ]
     unpaired = [
         f"target {_describe(loc)}: no baseline" for loc in t_locs if (loc.step, loc.rank) not in b_by_key
-    ]
-    unpaired += [
-        f"baseline {_describe(loc)}: no target" for loc in b_locs if (loc.step, loc.rank) not in t_keys
     ]
     if not pairs:
 
@@ -148,7 +158,7 @@ def _pair_locations(
             baseline,
             f"no step/rank in common with {os.fspath(target)} (target: {keys(t_locs)}; baseline: {keys(b_locs)})",
         )
-    return pairs, unpaired
+    return pairs, unpaired + missing, missing
 
 
 # --------------------------------------------------------------------------------------------------- build
@@ -163,7 +173,7 @@ class _Draft:
     target: Leaf | None
     baseline: Leaf | None
     check: Check | None = None
-    task: tuple[str, str] | None = None  # tensor files to compare
+    task: tuple[TensorRef, TensorRef] | None = None  # tensor files to compare
     skip: bool = False
     api: str = ""
 
@@ -329,7 +339,10 @@ class _Builder:
         if mode == "md5":
             draft.check = finish(check_md5(tl, bl, tol), draft.skip, t_api)
         elif mode == "tensor" and tl.data_name and bl.data_name and tl.shape == bl.shape:
-            draft.task = (str(tensor_path(t, tl.data_name)), str(tensor_path(b, bl.data_name)))
+            draft.task = (
+                TensorRef(str(tensor_path(t, tl.data_name)), tl.dtype, tl.shape),
+                TensorRef(str(tensor_path(b, bl.data_name)), bl.dtype, bl.shape),
+            )
             self.tasks.append(len(self.drafts) - 1)
         else:
             check = check_statistics(tl, bl, tol)
@@ -599,18 +612,28 @@ def structural_divergence(
 
 
 # ------------------------------------------------------------------------------------------ tensor metrics
-def _metrics_of(files: tuple[str, str]) -> TensorMetrics | tuple[str, str]:
+class TensorRef(NamedTuple):
+    """A tensor file to read, with the dtype and shape its dump.json record gives it."""
+
+    path: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+
+
+def _metrics_of(files: tuple[TensorRef, TensorRef]) -> TensorMetrics | tuple[str, str]:
     try:
-        return tensor_metrics(open_tensor(files[0]), open_tensor(files[1]))
+        return tensor_metrics(open_tensor(*files[0]), open_tensor(*files[1]))
     except DumpFormatError as exc:
         return (exc.path, exc.problem)
 
 
-def _metrics_chunk(chunk: Sequence[tuple[str, str]]) -> list[TensorMetrics | tuple[str, str]]:
+def _metrics_chunk(chunk: Sequence[tuple[TensorRef, TensorRef]]) -> list[TensorMetrics | tuple[str, str]]:
     return [_metrics_of(files) for files in chunk]
 
 
-def _compute_all(files: list[tuple[str, str]], jobs: int) -> list[TensorMetrics | tuple[str, str]]:
+def _compute_all(
+    files: list[tuple[TensorRef, TensorRef]], jobs: int
+) -> list[TensorMetrics | tuple[str, str]]:
     if jobs <= 1 or len(files) < 2:
         out = []
         for f in files:

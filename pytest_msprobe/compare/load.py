@@ -10,6 +10,8 @@ inputs and outputs are flattened into rows named the way msprobe's compare names
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import math
 import os
@@ -143,15 +145,30 @@ def parse_name(name: str) -> NameParts:
 
 # ------------------------------------------------------------------------------------------------ discovery
 def discover(path: str | os.PathLike[str]) -> list[DumpLocation]:
-    """Every dump.json under ``path`` (a dump.json, rank folder, step folder or dump root), sorted by step, rank."""
+    """Every dump.json under ``path`` (a dump.json, rank folder, step folder or dump root), sorted by step, rank.
+
+    A folder that looks like part of a dump but is not complete is unusable input, not something to skip: a
+    step folder of a dump root without any rank folder, or a rank folder without its dump.json, is what an
+    interrupted dump leaves behind, and comparing around it would silently check less than was asked.
+    """
     p = Path(path)
+    try:
+        return _discover(p)
+    except OSError as exc:  # a permission error while looking around (stat, listing)
+        where = exc.filename if isinstance(exc.filename, str) else p
+        raise DumpFormatError(where, f"cannot read ({exc.strerror or exc})") from None
+
+
+def _discover(p: Path) -> list[DumpLocation]:
     if not p.exists():
-        raise DumpFormatError(p, "no such file or directory")
+        raise DumpFormatError(p, _missing(p))
     if p.is_file():
         if p.suffix != ".json":
             raise DumpFormatError(p, "expected a dump.json or a dump folder")
         return [_locate(p)]
-    if (p / "dump.json").is_file():
+    if not p.is_dir():
+        raise DumpFormatError(p, "not a regular file or folder")
+    if _has_dump_json(p):
         return [_locate(p / "dump.json")]
     found = _rank_dirs(p)
     if found:
@@ -162,7 +179,12 @@ def discover(path: str | os.PathLike[str]) -> list[DumpLocation]:
     )
     located: list[tuple[int | None, Path]] = []
     for step, step_dir in steps:
-        located.extend((step, d) for d in _rank_dirs(step_dir))
+        ranks = _rank_dirs(step_dir)
+        if not ranks:
+            raise DumpFormatError(
+                step_dir, "step folder holds no rank folder with a dump.json (rank, rank{R}, proc{PID})"
+            )
+        located.extend((step, d) for d in ranks)
     if not located:
         raise DumpFormatError(
             p,
@@ -170,6 +192,32 @@ def discover(path: str | os.PathLike[str]) -> list[DumpLocation]:
             "a step folder holding rank folders, or a dump root holding step{N} folders",
         )
     return _number_ranks(located)
+
+
+def _missing(p: Path) -> str:
+    """Why a path that does not exist does not: absent, a dangling link, or a loop of links."""
+    if not os.path.islink(p):
+        return "no such file or directory"
+    try:
+        os.stat(p)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "symbolic link loop"
+    return f"symbolic link to {os.readlink(p)!r}, which does not exist"
+
+
+def _has_dump_json(folder: Path) -> bool:
+    """Whether ``folder`` holds a dump.json file (a dump.json that is not a file is an error, not absent)."""
+    candidate = folder / "dump.json"
+    if candidate.is_file():
+        return True
+    if os.path.lexists(candidate):
+        if candidate.is_dir():
+            raise DumpFormatError(candidate, "is a folder, not a file")
+        if not candidate.exists():
+            raise DumpFormatError(candidate, _missing(candidate))
+        raise DumpFormatError(candidate, "not a regular file")
+    return False
 
 
 def _subdirs(p: Path) -> list[Path]:
@@ -180,7 +228,14 @@ def _subdirs(p: Path) -> list[Path]:
 
 
 def _rank_dirs(p: Path) -> list[Path]:
-    return [d for d in _subdirs(p) if RANK_DIR.match(d.name) and (d / "dump.json").is_file()]
+    found = []
+    for d in _subdirs(p):
+        if not RANK_DIR.match(d.name):
+            continue
+        if not _has_dump_json(d):
+            raise DumpFormatError(d, "rank folder holds no dump.json (an interrupted dump?)")
+        found.append(d)
+    return found
 
 
 def _step_of(p: Path) -> int | None:
@@ -214,36 +269,116 @@ def _number_ranks(found: list[tuple[int | None, Path]]) -> list[DumpLocation]:
 
 
 # ------------------------------------------------------------------------------------------------- parsing
+# Past these limits a record describes no tensor a device could hold, or no call's arguments: it is refused
+# rather than carried into the compare.
+MAX_DIMS = 32  # CUDA kernels take at most 25 dimensions; real models' tensors have far fewer
+MAX_TENSOR_BYTES = 1 << 40  # 1 TiB, more than the memory of any accelerator
+MAX_DEPTH = 64  # nesting of one call's arguments (lists of lists of ...)
+
+_JSON_KINDS = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+# text that stands for "no value" where a statistic should be: read as a missing statistic, like null
+_NO_VALUE = frozenset({"", "n/a", "na", "none", "null"})
+
+
+def json_kind(value: Any) -> str:
+    """``an object``, ``an array``, ... : how a JSON value is named in messages."""
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def read_json(path: Path) -> Any:
+    """Parse a JSON file; every way it can be unusable is a :class:`DumpFormatError` naming the file."""
     try:
         with open(path, "rb") as fh:
-            return json.load(fh)
+            raw = fh.read()
+    except IsADirectoryError:
+        raise DumpFormatError(path, "is a folder, not a file") from None
     except OSError as exc:
         raise DumpFormatError(path, f"cannot read ({exc.strerror or exc})") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    return parse_json(path, raw)
+
+
+def parse_json(path: Path, raw: bytes) -> Any:
+    """Parse the bytes of a JSON file (UTF-8, as msprobe writes it)."""
+    if not raw.strip():
+        raise DumpFormatError(path, "empty file" if not raw else "holds only whitespace, no JSON")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DumpFormatError(
+            path, f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
+        ) from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        if exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string"):
+            # the text stops inside the document: a write that was cut short (killed, disk full)
+            raise DumpFormatError(
+                path, f"invalid JSON: truncated, the text ends at byte {len(raw)} inside the document"
+            ) from None
+        raise DumpFormatError(
+            path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from None
+    except RecursionError:
+        raise DumpFormatError(path, "invalid JSON: nested too deeply to parse") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
         raise DumpFormatError(path, f"invalid JSON ({exc})") from None
+
+
+def check_document(path: Path, doc: Any) -> tuple[dict[str, Any], str, str | None]:
+    """The ``data``, task and level of a parsed dump.json, or the error that makes it unusable."""
+    if not isinstance(doc, dict):
+        raise DumpFormatError(path, f"top level is {json_kind(doc)}, not an object: not a msprobe dump.json")
+    if "data" not in doc:
+        raise DumpFormatError(path, "no 'data' key: not a msprobe dump.json")
+    data = doc["data"]
+    if not isinstance(data, dict):
+        raise DumpFormatError(path, f"'data' is {json_kind(data)}, expected an object of API calls")
+    task = doc.get("task") or "statistics"
+    if task not in ("statistics", "tensor"):
+        raise DumpFormatError(path, f"unsupported task {_short(task)} (expected 'statistics' or 'tensor')")
+    if not data:
+        # nothing to compare is not a pass: a dump that recorded no call cannot vouch for any
+        raise DumpFormatError(path, "'data' is empty: no API call was recorded")
+    level = doc.get("level")
+    return data, task, level if isinstance(level, str) else None
 
 
 def read_dump(location: DumpLocation) -> Dump:
     """Parse a dump.json into API entries with flattened rows."""
     path = location.path
-    doc = read_json(path)
-    if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
-        raise DumpFormatError(path, "not a msprobe dump.json (no 'data' object)")
-    task = doc.get("task") or "statistics"
-    if task not in ("statistics", "tensor"):
-        raise DumpFormatError(path, f"unsupported task {task!r} (expected 'statistics' or 'tensor')")
+    data, task, level = check_document(path, read_json(path))
     entries = []
     has_md5 = False
-    for index, (name, body) in enumerate(doc["data"].items()):
+    for index, (name, body) in enumerate(data.items()):
         try:
             leaves = flatten_entry(name, body)
-        except (TypeError, ValueError, KeyError) as exc:
-            raise DumpFormatError(path, f"malformed entry {name!r} ({exc})") from None
+        except (TypeError, ValueError, KeyError, RecursionError) as exc:
+            raise DumpFormatError(path, malformed(name, exc)) from None
         has_md5 = has_md5 or any(leaf.md5 is not None for leaf in leaves)
         entries.append(ApiEntry(name, index, tuple(leaves)))
-    level = doc.get("level")
-    return Dump(location, task, level if isinstance(level, str) else None, has_md5, tuple(entries))
+    return Dump(location, task, level, has_md5, tuple(entries))
+
+
+def malformed(name: str, exc: BaseException) -> str:
+    """The problem of a malformed entry, for :class:`DumpFormatError`."""
+    if isinstance(exc, RecursionError):
+        return f"{name}: arguments nested too deeply"
+    return str(exc) if isinstance(exc, ValueError) else f"{name}: malformed entry ({exc})"
 
 
 _SECTIONS = (("input_args", INPUT), ("input_kwargs", INPUT), ("input", INPUT), ("parameters", PARAMETER))
@@ -255,16 +390,19 @@ def is_parameters_grad(name: str) -> bool:
 
 
 def flatten_entry(name: str, body: Any) -> list[Leaf]:
-    """The rows of one entry, in msprobe's order: inputs, kwargs, parameters, then outputs."""
+    """The rows of one entry, in msprobe's order: inputs, kwargs, parameters, then outputs.
+
+    A malformed entry raises ValueError whose message starts with the entry's or the row's name.
+    """
     if not isinstance(body, dict):
-        raise TypeError("entry is not an object")
+        raise ValueError(f"{name}: entry is {json_kind(body)}, not an object")
     out: list[Leaf] = []
     if is_parameters_grad(name):
         # {"weight": [tensor], ...}: the list index is not part of the row name (msprobe's naming)
         for key, value in body.items():
             items = value if isinstance(value, list) else [value]
             for item in items:
-                _walk(item, f".{key}", OUTPUT, name, out, index_lists=False)
+                _walk(item, f".{key}", OUTPUT, name, out, False, 1)
         return out
     for key, role in _SECTIONS:
         if key in body:
@@ -274,47 +412,105 @@ def flatten_entry(name: str, body: Any) -> list[Leaf]:
     return out
 
 
-def _walk(node: Any, suffix: str, role: str, api: str, out: list[Leaf], index_lists: bool = True) -> None:
+def _walk(
+    node: Any, suffix: str, role: str, api: str, out: list[Leaf], index_lists: bool = True, depth: int = 0
+) -> None:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{api}{suffix}: arguments nested more than {MAX_DEPTH} levels deep")
     if node is None:
         out.append(Leaf(api + suffix, suffix, role, NONE, type="None"))
     elif isinstance(node, dict) and isinstance(node.get("type"), str):
         out.append(_leaf(node, api, suffix, role))
     elif isinstance(node, dict):
         for key, value in node.items():
-            _walk(value, f"{suffix}.{key}", role, api, out, index_lists)
+            _walk(value, f"{suffix}.{key}", role, api, out, index_lists, depth + 1)
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            _walk(value, f"{suffix}.{i}" if index_lists else suffix, role, api, out, index_lists)
+            _walk(value, f"{suffix}.{i}" if index_lists else suffix, role, api, out, index_lists, depth + 1)
     elif isinstance(node, (str, int, float, bool)):
         # a bare value (e.g. the "op" or "peer" of a distributed P2POp record): a plain-value row
         out.append(Leaf(api + suffix, suffix, role, VALUE, type(node).__name__, value=node))
     else:
-        raise TypeError(f"unexpected {type(node).__name__} at {api}{suffix}")
+        raise ValueError(f"{api}{suffix}: unexpected {type(node).__name__}")
 
 
-def _num(value: Any) -> float | None:
+def _num(value: Any, key: str) -> float | None:
     """A statistic as a float: JSON numbers, booleans, and the strings msprobe writes for NaN/Inf."""
     kind = type(value)
     if kind is float:
         return value
     if value is None:
         return None
-    if kind is int or kind is bool:
-        return float(value)
-    if isinstance(value, str):
-        try:
+    try:
+        if kind is int or kind is bool:
             return float(value)
-        except ValueError:
-            return None
-    return None
+        if kind is str:
+            try:
+                return float(value)
+            except ValueError:
+                if value.strip().lower() in _NO_VALUE:
+                    return None
+    except OverflowError:
+        raise ValueError(f"{key} {_short(value)} is out of range") from None
+    raise ValueError(f"{key} is {_short(value)}, not a number")
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named like ``torch.float32`` (1 when the name does not say)."""
+    bits = re.search(r"\d+", dtype.rsplit(".", 1)[-1])
+    return max(1, int(bits.group()) // 8) if bits else 1
+
+
+def record(
+    node: dict[str, Any],
+) -> tuple[str | None, tuple[int, ...] | None, tuple[float | None, ...], str | None]:
+    """Check one record of a dump.json (a dict with a ``type``): its dtype and shape (None for a record that
+    is not a tensor), its Max, Min, Mean and Norm, and its data_name. A malformed record raises ValueError."""
+    get = node.get
+    stats = (
+        _num(get("Max"), "Max"),
+        _num(get("Min"), "Min"),
+        _num(get("Mean"), "Mean"),
+        _num(get("Norm"), "Norm"),
+    )
+    data_name = get("data_name")
+    if data_name is not None and type(data_name) is not str:
+        raise ValueError(f"data_name {_short(data_name)} is not a file name")
+    has_dtype, has_shape = "dtype" in node, "shape" in node
+    if not (has_dtype and has_shape):
+        if has_dtype or has_shape or get("type") == "torch.Tensor":
+            raise ValueError(f"tensor record has no '{'shape' if has_dtype else 'dtype'}'")
+        return None, None, stats, data_name
+    dtype, shape = node["dtype"], node["shape"]
+    if type(dtype) is not str:
+        raise ValueError(f"dtype {_short(dtype)} is not a string")
+    if type(shape) is not list:
+        raise ValueError(f"shape {_short(shape)} is not a list of sizes")
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"shape has {len(shape)} dimensions (at most {MAX_DIMS})")
+    numel = 1
+    for size in shape:
+        if type(size) is not int:
+            raise ValueError(f"shape {_short(shape)} has a size that is not a whole number: {_short(size)}")
+        if size < 0:
+            raise ValueError(f"shape {_short(shape)} has a negative size")
+        numel *= size
+    if numel * _itemsize(dtype) > MAX_TENSOR_BYTES:
+        raise ValueError(
+            f"shape {_short(shape)} of {dtype} holds {numel:.3g} elements, more than 1 TiB: no device holds it"
+        )
+    return dtype, tuple(shape), stats, data_name
 
 
 def _leaf(node: dict[str, Any], api: str, suffix: str, role: str) -> Leaf:
+    try:
+        dtype, shape, stats, data_name = record(node)
+    except ValueError as exc:
+        raise ValueError(f"{api}{suffix}: {exc}") from None
     get = node.get
     md5 = get("md5")
-    data_name = get("data_name")
-    grad = get("requires_grad")
-    if "dtype" not in node or "shape" not in node:
+    if shape is None:
         value = node["value"] if "value" in node else {k: v for k, v in node.items() if k != "type"}
         return Leaf(
             api + suffix,
@@ -322,52 +518,66 @@ def _leaf(node: dict[str, Any], api: str, suffix: str, role: str) -> Leaf:
             role,
             VALUE,
             get("type"),
-            max=_num(get("Max")),
-            min=_num(get("Min")),
-            mean=_num(get("Mean")),
-            norm=_num(get("Norm")),
+            max=stats[0],
+            min=stats[1],
+            mean=stats[2],
+            norm=stats[3],
             md5=None if md5 is None else str(md5),
             value=value,
         )
-    raw_shape = node["shape"]
-    if type(raw_shape) is not list or not all(type(s) is int and s >= 0 for s in raw_shape):
-        raise ValueError(f"bad shape {raw_shape!r} at {api}{suffix}")
+    grad = get("requires_grad")
     return Leaf(
         api + suffix,
         suffix,
         role,
         TENSOR,
         get("type"),
-        str(node["dtype"]),
-        tuple(raw_shape),
-        _num(get("Max")),
-        _num(get("Min")),
-        _num(get("Mean")),
-        _num(get("Norm")),
+        dtype,
+        shape,
+        stats[0],
+        stats[1],
+        stats[2],
+        stats[3],
         grad if type(grad) is bool else None,
         None if md5 is None else str(md5),
-        data_name if type(data_name) is str and data_name else None,
+        data_name or None,
     )
 
 
 # --------------------------------------------------------------------------------------------- tensor files
 def tensor_path(dump: Dump, data_name: str) -> Path:
-    """The file of a tensor row, refusing names that leave the dump's tensor folder (``..``, absolute, symlinks)."""
-    if not data_name or os.path.isabs(data_name) or data_name.startswith(("/", "\\")):
+    """The file of a tensor row, refusing names that leave the dump's tensor folder (``..``, absolute, links).
+
+    The file must be a regular file inside ``dump_tensor_data`` of the folder holding the dump.json, once every
+    link is resolved: a link (of the file, or of ``dump_tensor_data`` itself) to anywhere else is refused, so
+    a hostile dump cannot have the compare read ``/dev/zero``, a FIFO or a file outside the dump.
+    """
+    if not data_name or "\0" in data_name or os.path.isabs(data_name) or data_name.startswith(("/", "\\")):
         raise DumpFormatError(
             dump.path, f"data_name {data_name!r} is not a file name inside dump_tensor_data"
         )
     parts = re.split(r"[\\/]", data_name)
     if any(part in ("..", "") for part in parts):
         raise DumpFormatError(dump.path, f"data_name {data_name!r} leaves the dump folder")
-    base = dump.tensor_dir
-    candidate = base / data_name
-    real_base = os.path.realpath(base)
-    real = os.path.realpath(candidate)
-    if os.path.commonpath([real_base, real]) != real_base:
-        raise DumpFormatError(dump.path, f"data_name {data_name!r} leaves the dump folder (through a link)")
-    if not os.path.isfile(real):
+    candidate = dump.tensor_dir / data_name
+    if not os.path.lexists(candidate):
         raise DumpFormatError(candidate, "tensor file named in dump.json is missing")
+    try:
+        os.stat(candidate)  # follows every link: a loop or a dangling link fails here
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DumpFormatError(candidate, "symbolic link loop") from None
+        if exc.errno == errno.ENOENT:
+            raise DumpFormatError(candidate, _missing(candidate)) from None
+        raise DumpFormatError(candidate, f"cannot read ({exc.strerror or exc})") from None
+    real = os.path.realpath(candidate)
+    allowed = os.path.join(os.path.realpath(dump.path.parent), "dump_tensor_data")
+    if os.path.commonpath([allowed, real]) != allowed:
+        raise DumpFormatError(dump.path, f"data_name {data_name!r} leaves the dump folder (through a link)")
+    if os.path.isdir(real):
+        raise DumpFormatError(candidate, "is a folder, not a tensor file")
+    if not os.path.isfile(real):
+        raise DumpFormatError(candidate, "not a regular file")
     return Path(real)
 
 

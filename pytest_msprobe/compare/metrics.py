@@ -72,6 +72,7 @@ class _Acc:
 
     __slots__ = (
         "aa",
+        "ab",
         "bb",
         "c1",
         "c5",
@@ -85,7 +86,7 @@ class _Acc:
     )
 
     def __init__(self) -> None:
-        self.aa = self.bb = self.dd = 0.0
+        self.aa = self.bb = self.dd = self.ab = 0.0
         self.max_abs = self.max_rel = self.max_a = self.max_b = 0.0
         self.c1 = self.c5 = self.count = 0
         self.nonfinite: str | None = None
@@ -160,14 +161,16 @@ def _block(acc: _Acc, a: np.ndarray, b: np.ndarray, d: np.ndarray, r: np.ndarray
             b = np.where(fb, b, 0)
         # large finite values can overflow a float32 dot: accumulate this block in float64
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        aa, bb = float(np.dot(a64, a64)), float(np.dot(b64, b64))
+        aa, bb, ab = float(np.dot(a64, a64)), float(np.dot(b64, b64)), float(np.dot(a64, b64))
         d64 = a64 - b64
         dd = float(np.dot(d64, d64))
         np.copyto(d, d64, casting="unsafe")
     else:
+        ab = float(np.dot(a, b))
         np.subtract(a, b, out=d)
         dd = float(np.dot(d, d))
     acc.aa += aa
+    acc.ab += ab
     acc.bb += bb
     acc.dd += dd
     acc.max_a = max(acc.max_a, float(a.max()), -float(a.min()))
@@ -200,10 +203,15 @@ def _finish(acc: _Acc, numel: int) -> TensorMetrics:
         side = "target" if norm_a <= EPS else "baseline"
         cosine, note = None, f"cosine undefined: the {side} is all zero"
     else:
-        # from the distance rather than from n·b: 1 - cos of a small perturbation survives float32 sums
-        # (|n - b|² is computed from the differences themselves; n·b would cancel against |n||b|)
         gap = norm_a - norm_b
-        cosine = max(-1.0, min(1.0, 1.0 - (acc.dd - gap * gap) / (2.0 * norm_a * norm_b)))
+        if acc.dd + gap * gap <= norm_a * norm_b:
+            # close vectors: from the distance, so that 1 - cos of a small perturbation survives float32
+            # sums (|n - b|² is summed from the differences themselves; n·b would cancel against |n||b|)
+            cosine = 1.0 - (acc.dd - gap * gap) / (2.0 * norm_a * norm_b)
+        else:
+            # far apart or of very different sizes: the distance form would cancel, n·b does not
+            cosine = acc.ab / (norm_a * norm_b)
+        cosine = max(-1.0, min(1.0, cosine))
     euc = math.sqrt(acc.dd)
     top_norm = max(norm_a, norm_b)
     top_abs = max(acc.max_a, acc.max_b)

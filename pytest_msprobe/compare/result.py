@@ -100,7 +100,8 @@ class DumpPair:
 
 @dataclass(frozen=True)
 class CompareResult:
-    """Everything a compare found. ``passed`` is False when any API breaches (a row with status error)."""
+    """Everything a compare found. ``passed`` is False when any API breaches (a row with status error) or the
+    target lacks a step or rank of the baseline."""
 
     target: str
     baseline: str
@@ -113,10 +114,12 @@ class CompareResult:
     thresholds: Thresholds
     timestamp: str  # YYYYmmddHHMMSS, names the report files
     stacks: dict[str, tuple[str, ...]] = field(default_factory=dict)  # target API name -> call stack
+    missing: tuple[str, ...] = ()  # the unpaired dumps that only the baseline has: they fail the compare
 
     @property
     def passed(self) -> bool:
-        return not any(api.status == ERROR for api in self.apis)
+        """No API breaches, and the target has every step and rank the baseline has."""
+        return not self.missing and not any(api.status == ERROR for api in self.apis)
 
     @property
     def failures(self) -> list[ApiResult]:
@@ -133,4 +136,5 @@ class CompareResult:
             **{f"apis_{status}": apis.get(status, 0) for status in STATUSES},
             "dump_pairs": len(self.pairs),
             "unpaired_dumps": len(self.unpaired),
+            "missing_dumps": len(self.missing),
         }

@@ -5,13 +5,17 @@ that rebuilds the tensor from storages) and ``<name>/data/<key>`` (each storage'
 torch costs ~2 s and ~650 MB just to import torch, so this module does what ``torch.load(weights_only=True)``
 does for a plain tensor, with numpy:
 
-* the pickle is read by an unpickler whose only reachable globals are an allow-list mapped to constructors of
-  this module (a hostile pickle cannot run code: anything else is refused with :class:`DumpFormatError`);
+* the pickle is first walked without being run (every opcode a saved tensor does not need is refused, and no
+  declared length is trusted before the bytes are there), then read by an unpickler whose only reachable
+  globals are an allow-list mapped to constructors of this module (a hostile pickle cannot run code:
+  anything else is refused with :class:`DumpFormatError`);
 * the storage bytes are read straight from the archive at their offset (one read per block, no copy of the
   archive), honouring the storage offset, size and stride, with checks that they fit the bytes on disk;
 * bfloat16 and float8 are widened to float32 (bfloat16: its 16 bits are the top half of a float32).
 
-Archives in torch's legacy (pre-1.6, non-zip) format fall back to ``torch.load(weights_only=True)``.
+Archives in torch's legacy (pre-1.6, non-zip) format, recognised by their magic number, fall back to
+``torch.load(weights_only=True)``. Every unusable file (missing, a folder, empty, truncated, corrupt, hostile,
+holding another dtype or shape than its dump.json record) raises :class:`DumpFormatError` naming it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
+import stat
 import struct
+import warnings
 import zipfile
+import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,6 +217,31 @@ def _allowed_global(module: str, name: str) -> Any:
     return None
 
 
+# The opcodes of the pickle of a saved tensor (torch.save, protocols 2 to 4), and the others that only build
+# plain values. Left out: everything that builds objects (INST, OBJ, NEWOBJ, BUILD), the out-of-band buffers
+# of protocol 5, and BYTEARRAY8, for which the C unpickler allocates the declared size before reading it.
+# fmt: off
+_OPCODES = frozenset([
+    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "GLOBAL", "STACK_GLOBAL", "REDUCE", "BINPERSID",
+    "BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET", "PUT", "GET",
+    "NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "INT", "LONG", "BINFLOAT", "FLOAT",
+    "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE",
+    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST", "APPEND", "APPENDS", "LIST",
+    "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS",
+])
+# fmt: on
+
+
+def _check_opcodes(pickled: bytes) -> None:
+    """Walk the pickle without running it (lengths are checked against the bytes there, nothing allocated
+    from them) and refuse any opcode a saved tensor does not need."""
+    with warnings.catch_warnings():  # decoding a text opcode's argument may warn about its escapes
+        warnings.simplefilter("ignore")
+        for opcode, _, pos in pickletools.genops(pickled):
+            if opcode.name not in _OPCODES:
+                raise pickle.UnpicklingError(f"refused opcode {opcode.name} at byte {pos}")
+
+
 class _Unpickler(pickle.Unpickler):
     """Resolves only the globals a plain saved tensor needs; everything else is refused."""
 
@@ -263,13 +296,22 @@ class TensorFile:
                 yield widen(flat[start : start + block], self.dtype)
             return
         disk = np.dtype(self.disk_dtype)
-        with open(self.path, "rb", buffering=0) as fh:
+        try:
+            fh = open(self.path, "rb", buffering=0)  # noqa: SIM115 (closed below, across the yields)
+        except OSError as exc:
+            raise DumpFormatError(self.path, f"cannot read tensor file ({exc.strerror or exc})") from None
+        with fh:
             fh.seek(self.data_offset)
             buf = np.empty(min(block, total), dtype=disk)
             for start in range(0, total, block):
                 count = min(block, total - start)
                 view = buf[:count]
-                got = fh.readinto(view.view(np.uint8).data)
+                try:
+                    got = fh.readinto(view.view(np.uint8).data)
+                except OSError as exc:
+                    raise DumpFormatError(
+                        self.path, f"cannot read tensor data ({exc.strerror or exc})"
+                    ) from None
                 if got != count * disk.itemsize:
                     raise DumpFormatError(self.path, "tensor data is truncated")
                 yield widen(view if disk.isnative else view.astype(disk.newbyteorder("=")), self.dtype)
@@ -285,26 +327,67 @@ class TensorFile:
         return flat.reshape(self.shape)
 
 
-def open_tensor(path: str | os.PathLike[str]) -> TensorFile:
-    """Open a dumped tensor (``torch.save`` zip archive, legacy torch file, or ``.npy``) for reading."""
+# torch's format before 1.6 starts with this pickled magic number (0x1950a86a20f9469cfc6c)
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
+
+
+def open_tensor(
+    path: str | os.PathLike[str],
+    dtype: str | None = None,
+    shape: Sequence[int] | None = None,
+) -> TensorFile:
+    """Open a dumped tensor (``torch.save`` zip archive, legacy torch file, or ``.npy``) for reading.
+
+    Only the header is read (the pickle of a torch archive, the header of a .npy), so opening is cheap
+    whatever the tensor's size; the values are read by :meth:`TensorFile.blocks`. With ``dtype`` (torch's
+    name, ``torch.float32`` or ``float32``) and ``shape``, a file holding another tensor than its dump.json
+    record describes is refused. Every unusable file raises :class:`DumpFormatError` naming it.
+    """
     path = os.fspath(path)
     try:
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            raise DumpFormatError(path, "is a folder, not a tensor file")
+        if not stat.S_ISREG(info.st_mode):
+            raise DumpFormatError(path, "not a regular file")
         with open(path, "rb") as fh:
-            magic = fh.read(6)
+            magic = fh.read(len(_LEGACY_MAGIC))
     except OSError as exc:
         raise DumpFormatError(path, f"cannot read tensor file ({exc.strerror or exc})") from None
+    if not magic:
+        raise DumpFormatError(path, "empty file (0 bytes)")
     if magic.startswith(b"\x93NUMPY"):
-        return _open_npy(path)
-    if magic.startswith(b"PK"):
-        return _open_torch_zip(path)
-    return _open_torch_legacy(path)
+        tensor = _open_npy(path)
+    elif magic.startswith(b"PK"):
+        tensor = _open_torch_zip(path, info.st_size)
+    elif magic == _LEGACY_MAGIC:
+        tensor = _open_torch_legacy(path)
+    else:
+        raise DumpFormatError(path, "not a tensor file (neither a torch.save archive nor a .npy file)")
+    if dtype is not None or shape is not None:
+        check_tensor(tensor, dtype, shape)
+    return tensor
+
+
+def check_tensor(tensor: TensorFile, dtype: str | None, shape: Sequence[int] | None) -> None:
+    """Refuse a tensor file whose dtype or shape is not what its dump.json record says."""
+    said = dtype.rsplit(".", 1)[-1] if dtype is not None else tensor.dtype
+    said_shape = tuple(shape) if shape is not None else tensor.shape
+    if said != tensor.dtype or said_shape != tensor.shape:
+        raise DumpFormatError(
+            tensor.path,
+            f"holds a {tensor.dtype} tensor of shape {list(tensor.shape)}, but dump.json says "
+            f"{dtype or tensor.dtype} of shape {list(said_shape)}",
+        )
 
 
 def _open_npy(path: str) -> TensorFile:
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as exc:
+    except Exception as exc:  # numpy's header parser raises several types; none may run code (no pickle)
         raise DumpFormatError(path, f"not a readable .npy file ({exc})") from None
+    if not isinstance(array, np.ndarray):
+        raise DumpFormatError(path, "not a readable .npy file (holds no array)")
     names = {np.dtype(v).str: k for k, v in _DISK_DTYPES.items() if not k.startswith(("bfloat", "float8"))}
     dtype = names.get(array.dtype.newbyteorder("<").str if array.dtype.byteorder == ">" else array.dtype.str)
     if dtype is None:
@@ -312,7 +395,22 @@ def _open_npy(path: str) -> TensorFile:
     return TensorFile(path, dtype, tuple(int(s) for s in array.shape), array=array)
 
 
-def _open_torch_zip(path: str) -> TensorFile:
+# what reading a damaged zip archive can raise, besides BadZipFile
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    NotImplementedError,  # an unsupported compression method
+    RuntimeError,  # an encrypted member
+    EOFError,
+    OSError,
+    ValueError,
+    KeyError,
+    struct.error,
+    zlib.error,
+)
+
+
+def _open_torch_zip(path: str, file_size: int) -> TensorFile:
     try:
         with zipfile.ZipFile(path) as archive:
             infos = {info.filename: info for info in archive.infolist()}
@@ -320,23 +418,25 @@ def _open_torch_zip(path: str) -> TensorFile:
             if len(pkl) != 1:
                 raise DumpFormatError(path, "not a torch.save archive (no <name>/data.pkl)")
             prefix = pkl[0][: -len("data.pkl")]
-            if infos[pkl[0]].file_size > _MAX_PICKLE_BYTES:
+            if max(infos[pkl[0]].file_size, infos[pkl[0]].compress_size) > _MAX_PICKLE_BYTES:
                 raise DumpFormatError(path, "data.pkl is too large for a single tensor")
             pickled = archive.read(pkl[0])
             byteorder = "little"
-            if prefix + "byteorder" in infos:
-                byteorder = archive.read(prefix + "byteorder").decode("ascii", "replace").strip()
-    except zipfile.BadZipFile as exc:
-        raise DumpFormatError(path, f"corrupt torch archive ({exc})") from None
+            order = infos.get(prefix + "byteorder")
+            if order is not None:
+                if order.file_size > 16:
+                    raise DumpFormatError(path, f"unknown byteorder ({order.file_size} bytes)")
+                byteorder = archive.read(order).decode("ascii", "replace").strip()
+    except _ZIP_ERRORS as exc:
+        raise DumpFormatError(path, f"corrupt torch archive ({str(exc) or type(exc).__name__})") from None
     if byteorder not in ("little", "big"):
         raise DumpFormatError(path, f"unknown byteorder {byteorder!r}")
 
     try:
+        _check_opcodes(pickled)
         spec = _Unpickler(io.BytesIO(pickled)).load()
-    except DumpFormatError:
-        raise
     except Exception as exc:  # any malformed or hostile pickle: refuse, never execute
-        raise DumpFormatError(path, f"refused to load: {exc}") from None
+        raise DumpFormatError(path, f"refused to load: {str(exc) or type(exc).__name__}") from None
     if not isinstance(spec, _TensorSpec):
         raise DumpFormatError(path, f"refused to load: holds a {type(spec).__name__}, not a tensor")
 
@@ -361,12 +461,24 @@ def _open_torch_zip(path: str) -> TensorFile:
         raise DumpFormatError(
             path, f"tensor of shape {list(spec.shape)} does not fit its storage of {storage_elems} elements"
         )
-    start = _member_data_offset(path, member) + spec.offset * itemsize
+    base = _member_data_offset(path, member)
+    if member.compress_type == zipfile.ZIP_STORED and base + storage_elems * itemsize > file_size:
+        raise DumpFormatError(
+            path,
+            f"tensor data is truncated (its storage needs {storage_elems * itemsize} bytes from offset {base}, "
+            f"the file has {file_size})",
+        )
+    start = base + spec.offset * itemsize
     contiguous = numel == 0 or _is_contiguous(spec.shape, spec.stride)
     if contiguous and member.compress_type == zipfile.ZIP_STORED:
         return TensorFile(path, spec.dtype, spec.shape, data_offset=start, disk_dtype=disk.str)
     # a view with gaps (or a compressed member): load the storage once and gather
-    raw = _read_member(path, member, disk, storage_elems)
+    try:
+        raw = _read_member(path, member, disk, storage_elems)
+    except _ZIP_ERRORS as exc:
+        raise DumpFormatError(path, f"corrupt torch archive ({str(exc) or type(exc).__name__})") from None
+    if raw.size != storage_elems:  # as_strided must never reach past the bytes read
+        raise DumpFormatError(path, "tensor data is truncated")
     view = np.lib.stride_tricks.as_strided(
         raw[spec.offset :], shape=spec.shape, strides=[st * itemsize for st in spec.stride], writeable=False
     )
@@ -387,9 +499,12 @@ def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 def _member_data_offset(path: str, member: zipfile.ZipInfo) -> int:
     """Where a stored member's bytes start: after its local header, whose extra field may differ."""
-    with open(path, "rb") as fh:
-        fh.seek(member.header_offset)
-        header = fh.read(30)
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(member.header_offset)
+            header = fh.read(30)
+    except OSError as exc:
+        raise DumpFormatError(path, f"cannot read tensor file ({exc.strerror or exc})") from None
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         raise DumpFormatError(path, "corrupt torch archive (bad local header)")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
@@ -410,7 +525,9 @@ def _open_torch_legacy(path: str) -> TensorFile:
     except ImportError:
         raise DumpFormatError(path, "not a zip torch archive or .npy, and torch is not installed") from None
     try:
-        value = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about odd pickle protocols: the file is refused anyway
+            warnings.simplefilter("ignore")
+            value = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise DumpFormatError(path, f"cannot load tensor ({type(exc).__name__}: {exc})") from None
     if not isinstance(value, torch.Tensor):

@@ -7,13 +7,14 @@ machines), each written atomically; :func:`console_summary` is the terminal view
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.errors import ReportError
 from pytest_msprobe.report.advisor import advisor_text
-from pytest_msprobe.report.files import write_text
+from pytest_msprobe.report.files import atomic_path, write_text
 from pytest_msprobe.report.summary import console_summary, summary_dict, summary_json
 from pytest_msprobe.report.table import api_sheet, compare_sheet
 from pytest_msprobe.report.xlsxwriter import write_xlsx
@@ -24,6 +25,8 @@ __all__ = ["ReportError", "console_summary", "summary_dict", "write_reports"]
 def write_reports(result: CompareResult, out_dir: str | os.PathLike[str]) -> dict[str, str]:
     """Write the xlsx, the advisor and summary.json into ``out_dir`` (created if needed).
 
+    All or nothing: the three are written to temporary files first and renamed into place only once all
+    three are complete, so a failure (disk full, a read-only folder) leaves no partial report behind.
     Returns ``{"xlsx": path, "advisor": path, "summary": path}``.
     """
     out = Path(out_dir)
@@ -35,12 +38,15 @@ def write_reports(result: CompareResult, out_dir: str | os.PathLike[str]) -> dic
     current = str(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        current = paths["xlsx"]
-        write_xlsx(current, [compare_sheet(result), api_sheet(result)])
-        current = paths["advisor"]
-        write_text(current, advisor_text(result))
-        current = paths["summary"]
-        write_text(current, summary_json(result))
+        with contextlib.ExitStack() as pending:  # each temporary file is renamed (or removed) on exit
+            current = paths["xlsx"]
+            write_xlsx(
+                pending.enter_context(atomic_path(current)), [compare_sheet(result), api_sheet(result)]
+            )
+            current = paths["advisor"]
+            write_text(pending.enter_context(atomic_path(current)), advisor_text(result))
+            current = paths["summary"]
+            write_text(pending.enter_context(atomic_path(current)), summary_json(result))
     except OSError as exc:
         raise ReportError(f"{current}: cannot write report ({exc.strerror or exc})") from None
     return paths

@@ -115,7 +115,7 @@ def advisor_text(result: CompareResult) -> str:
         )
         if counts["warning"]:
             note += " Warnings are rows close to their threshold or with a dtype/requires_grad difference."
-        return f"Line: N/A\nSuspect Nodes: N/A\nExpert Advice: {note}\n"
+        return f"Line: N/A\nSuspect Nodes: N/A\nExpert Advice: {note}\n{_missing_text(result)}"
     lines = [
         f"Line: {fd.row_index + 2}",
         f"Suspect Nodes: {fd.row}",
@@ -131,4 +131,16 @@ def advisor_text(result: CompareResult) -> str:
     if later:
         lines.append("Other breaching calls (execution order; most follow from the first):")
         lines.extend(f"  {a.api} (step {a.step}, rank {a.rank}): {a.reason}" for a in later)
+    return "\n".join(lines) + "\n" + _missing_text(result)
+
+
+def _missing_text(result: CompareResult) -> str:
+    """The steps and ranks of the baseline that the target lacks (each fails the compare)."""
+    if not result.missing:
+        return ""
+    lines = [
+        "Missing in the target (the run stopped early, a rank failed, or the dumped steps changed: "
+        "this fails the compare):",
+        *(f"  {note}" for note in result.missing),
+    ]
     return "\n".join(lines) + "\n"

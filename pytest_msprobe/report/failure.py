@@ -46,8 +46,13 @@ def failure_message(
 ) -> str:
     c = result.counts()
     steps = sorted({p.step for p in result.pairs if p.step is not None})
+    lacking = (
+        f"the target lacks {len(result.missing)} step/rank dump(s) of the baseline; "
+        if result.missing
+        else ""
+    )
     lines = [
-        f"msprobe: {c['apis_error']} of {c['apis']} API calls breach the thresholds "
+        f"msprobe: {lacking}{c['apis_error']} of {c['apis']} API calls breach the thresholds "
         f"({c['error']} error rows, {c['warning']} warnings, {c['unmatched']} unmatched; {result.mode} mode"
         + (f", steps {', '.join(map(str, steps))})" if steps else ")")
     ]
@@ -55,6 +60,11 @@ def failure_message(
     if fd is not None:
         lines.append(f"first divergence: {fd.api} (step {fd.step}, rank {fd.rank}), row {fd.row}")
         lines.append(f"  {fd.reason}")
+    if result.missing:
+        lines.append(f"missing in the target ({len(result.missing)} dump(s) the baseline has):")
+        lines.extend(f"  {note}" for note in result.missing[:5])
+        if len(result.missing) > 5:
+            lines.append(f"  ... and {len(result.missing) - 5} more")
     rows = worst_rows(result)
     if rows:
         width = max(len(r.row) for r in rows)

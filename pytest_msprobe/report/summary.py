@@ -14,7 +14,8 @@ def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict
 
 
 def summary_dict(result: CompareResult) -> dict[str, Any]:
-    """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "counts"}``."""
+    """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
+    [the baseline's steps/ranks the target lacks], "counts"}``."""
     fd = result.first_divergence
     failures = []
     for api in result.failures:
@@ -26,6 +27,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         if fd is None
         else {"api": fd.api, "row": fd.row, "step": fd.step, "rank": fd.rank, "reason": fd.reason},
         "failures": failures,
+        "missing": list(result.missing),
         "counts": result.counts(),
     }
 
@@ -62,7 +64,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         for r in flagged[:worst]:
             lines.append(f"  {r.row:<60} {fmt_number(r.error):>9} / {fmt_number(r.allowed)}")
     for note in result.unpaired:
-        lines.append(f"not compared: {note}")
+        lines.append(f"{'missing' if note in result.missing else 'not compared'}: {note}")
     if reports:
         lines.append("reports: " + ", ".join(reports.values()))
     return "\n".join(lines)

@@ -187,3 +187,31 @@ def test_myers_finds_a_longest_common_subsequence(a: list[int], b: list[int]) ->
 def test_myers_gives_up_past_its_edit_budget() -> None:
     assert _myers([1, 2, 3], [4, 5, 6], 2) is None
     assert _myers([1, 2, 3], [1, 2, 3], 0) == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_an_inserted_block_that_repeats_the_pattern_is_the_one_left_unmatched() -> None:
+    """``conv, relu`` inserted before ``conv, relu``: the first calls have the right names to pair, so the
+    first shortest edit script found pairs the inserted block with the base one (and every later block with
+    the block before it); the statistics say which one is new."""
+    base = [
+        ("Functional.conv2d", 1.0),
+        ("Functional.relu", 2.0),
+        ("Functional.conv2d", 3.0),
+        ("Functional.relu", 4.0),
+    ]
+    extra = [("Functional.conv2d", 9.0), ("Functional.relu", 8.0)]
+
+    def build(calls: list[tuple[str, float]]) -> list[ApiEntry]:
+        counters: dict[str, int] = {}
+        out = []
+        for i, (api, value) in enumerate(calls):
+            counters[api] = counters.get(api, -1) + 1
+            out.append(entry(f"{api}.{counters[api]}.forward", i, value=value))
+        return out
+
+    target, baseline = build(extra + base), build(base)
+    result = align(target, baseline)
+    assert result.pairs == ((0, None), (1, None), (2, 0), (3, 1), (4, 2), (5, 3))
+    # the same block inserted in the middle, where the greedy prefix would pair it with the next block
+    target = build(base[:2] + extra + base[2:])
+    assert align(target, baseline).pairs == ((0, 0), (1, 1), (2, None), (3, None), (4, 2), (5, 3))

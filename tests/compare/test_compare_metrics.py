@@ -226,3 +226,12 @@ def test_stat_metrics_is_a_frozen_model() -> None:
     assert isinstance(m, StatMetrics)
     with pytest.raises(AttributeError):
         m.diff = (0.0,) * 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("ratio", [1e3, 1e5, 1e7])
+def test_cosine_of_parallel_tensors_of_very_different_sizes(ratio: float) -> None:
+    """The distance form of 1 - cos cancels when one tensor is much larger: float32 once gave 0.84 here."""
+    a = np.array([0, 0, 3, 4], f32)
+    m = tensor_metrics(a, a * f32(ratio))
+    assert m.cosine is not None and math.isclose(m.cosine, 1.0, abs_tol=1e-6)
+    assert tensor_metrics(a, -a * f32(ratio)).cosine == pytest.approx(-1.0, abs=1e-6)

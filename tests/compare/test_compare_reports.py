@@ -137,7 +137,8 @@ def test_advisor_when_everything_passes(tmp_path: Path) -> None:
 def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> None:
     result, paths = reported
     doc = json.loads(Path(paths["summary"]).read_text())
-    assert set(doc) == {"passed", "first_divergence", "failures", "counts"}
+    assert set(doc) == {"passed", "first_divergence", "failures", "missing", "counts"}
+    assert doc["missing"] == []
     assert doc["passed"] is False
     assert doc["first_divergence"] == {
         "api": "Functional.relu.2.forward",
