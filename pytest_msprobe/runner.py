@@ -48,13 +48,13 @@ def check_baseline(folder: Path) -> None:
     """Raise DumpFormatError or BaselineError, naming the file and the problem, when the baseline in ``folder``
     cannot be compared.
 
-    Reads every dump.json the compare would read, as the compare reads them, and our manifest; run before the
+    Checks every dump.json the compare would read, and the header of every tensor file they name, with the
+    compare's own checks (:func:`~pytest_msprobe.compare.validate.validate`), and our manifest; run before the
     test body, so that a broken baseline is an error of the test's set-up rather than a failure after training.
     """
-    from pytest_msprobe.compare.load import discover, read_dump
+    from pytest_msprobe.compare.validate import validate
 
-    for location in discover(folder):
-        read_dump(location)
+    validate(folder)
     read_manifest(folder)
 
 

@@ -55,24 +55,24 @@ BREAKAGES: list[tuple[str, Callable[[Path], Path], str]] = [
     (
         "truncated dump.json",
         lambda f: _truncate(f / "step1" / "rank" / "dump.json"),
-        "msprobe: unusable baseline: {file}: invalid JSON (*)",
+        "msprobe: unusable baseline: {file}: invalid JSON: truncated*",
     ),
     (
         "not UTF-8",
         lambda f: _write(
             f / "step0" / "rank" / "dump.json", b'{"task": "statistics", "data": {"\xff\xfe": 1}}'
         ),
-        "msprobe: unusable baseline: {file}: invalid JSON (*utf-8*)",
+        "msprobe: unusable baseline: {file}: not UTF-8 text (byte 0xff at offset *)",
     ),
     (
-        "no data object",
+        "data not an object",
         lambda f: _write(f / "step0" / "rank" / "dump.json", b'{"task": "statistics", "data": [1, 2]}'),
-        "msprobe: unusable baseline: {file}: not a msprobe dump.json (no 'data' object)",
+        "msprobe: unusable baseline: {file}: 'data' is an array, expected an object of API calls",
     ),
     (
         "no dump.json at all",
         lambda f: _remove_ranks(f),
-        "msprobe: unusable baseline: {file}: no dump.json found: *",
+        "msprobe: unusable baseline: {file}/step0: step folder holds no rank folder with a dump.json *",
     ),
     (
         "broken manifest",
@@ -126,14 +126,43 @@ def test_an_unusable_baseline_is_an_error_before_the_test_body_runs(
     missing.stdout.fnmatch_lines([f"*no baseline for this test at {folder}*", "*--msprobe-regen-baseline*"])
 
 
+def test_a_truncated_baseline_tensor_is_an_error_before_the_test_body_runs(
+    pytester: pytest.Pytester, train_test
+) -> None:
+    train_test(TENSOR)
+    _regen(pytester)
+    victim = _victim(pytester)
+    _truncate(victim)  # the JSON files are fine: only opening the tensor file shows it
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=bl")
+    _one_error(result, f"msprobe: unusable baseline: {victim}: corrupt torch archive (*)")
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_train*"])
+    assert not _output(pytester).exists(), "the training must not have run"
+
+
+def _victim(pytester: pytest.Pytester) -> Path:
+    tensors = _folder(pytester) / "step0" / "rank" / "dump_tensor_data"
+    return sorted(tensors.iterdir())[len(list(tensors.iterdir())) // 2]
+
+
 def test_a_baseline_found_unusable_only_by_the_compare_is_an_error_too(
     pytester: pytest.Pytester, train_test
 ) -> None:
     train_test(TENSOR)
     _regen(pytester)
-    tensors = _folder(pytester) / "step0" / "rank" / "dump_tensor_data"
-    victim = sorted(tensors.iterdir())[len(list(tensors.iterdir())) // 2]
-    _truncate(victim)  # the JSON files are fine: only reading the tensor shows it
+    victim = _victim(pytester)
+    # the baseline is intact at set-up and breaks while the test body trains: only the compare can see it
+    pytester.makeconftest(
+        f"""
+        import pytest
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_runtest_call(item):
+            victim = {str(victim)!r}
+            data = open(victim, "rb").read()
+            open(victim, "wb").write(data[: len(data) // 2])
+            return (yield)
+        """
+    )
     junit = pytester.path / "junit.xml"
     result = pytester.runpytest(*BASE, "--msprobe-baseline=bl", f"--junitxml={junit}")
     _one_error(result, f"msprobe: unusable baseline: {victim}: *")
