@@ -8,7 +8,7 @@ wrappers are installed, so one list serves several torch versions.
 
 The record prefix of each namespace is msprobe's, so names line up with its dumps: ``torch.nn.functional`` ->
 ``Functional``, ``torch`` -> ``Torch``, ``torch.Tensor`` -> ``Tensor``, ``torch._VF`` -> ``VF``,
-``torch_npu`` -> ``NPU``.  Names in the torch list may be dotted (``linalg.norm``): the function is looked up in the
+``torch_npu`` -> ``NPU``, ``torch.distributed`` -> ``Distributed``.  Names in the torch list may be dotted (``linalg.norm``): the function is looked up in the
 sub-namespace and recorded as ``Torch.linalg.norm``.
 """
 
@@ -171,5 +171,27 @@ NPU: tuple[str, ...] = _names(
     npu_sign_bits_pack npu_sign_bits_unpack npu_silu npu_slice npu_softmax_cross_entropy_with_logits npu_sort_v2
     npu_stride_add npu_sub_sample npu_swiglu npu_transpose npu_weight_quant_batchmatmul npu_yolo_boxes_encode
     one_ scatter_update scatter_update_
+    """
+)
+
+# torch.distributed's collectives and point-to-point calls: msprobe's list (its ``support_wrap_ops.yaml``). They are
+# wrapped both in ``torch.distributed`` and in ``torch.distributed.distributed_c10d``, whose own functions call
+# each other through that module's globals (``all_gather_object`` -> ``all_gather``). ``barrier`` and the object
+# collectives are left out as msprobe leaves them out: they carry no tensor worth comparing, and a record that an
+# msprobe baseline lacks would show up as an unmatched call.
+DISTRIBUTED: tuple[str, ...] = _names(
+    """
+    all_gather all_gather_into_tensor all_reduce all_to_all all_to_all_single batch_isend_irecv broadcast gather
+    irecv isend recv reduce reduce_scatter reduce_scatter_tensor scatter send _all_gather_base _reduce_scatter_base
+    """
+)
+
+# torch.distributed.nn.functional: the collectives with autograd (wrapped only once that module is imported). They
+# are recorded under the same ``Distributed.<name>`` as the plain collective they run, which is then nested and not
+# recorded again; their backward records come from the autograd node of their output, like any other API's.
+DISTRIBUTED_NN: tuple[str, ...] = _names(
+    """
+    all_gather all_reduce all_to_all all_to_all_single broadcast gather reduce reduce_scatter scatter
+    _all_gather_base
     """
 )

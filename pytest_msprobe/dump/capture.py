@@ -16,7 +16,12 @@ module into it: the hooks sit on the module's own nodes that consume the input (
 graph created during the call). That is the per-call gradient msprobe records through torch's full backward
 hooks, without their identity node, so ``nn.ReLU(inplace=True)`` keeps its backward record. Parameter
 gradients come from ``register_post_accumulate_grad_hook``; their ``parameters_grad`` key is reserved right
-after the module's forward record, as msprobe orders them.
+after the module's forward record, as msprobe orders them. They are recorded when the backward pass ends (a
+final callback of the autograd engine, queued so that it runs after those queued during the pass): under
+``DistributedDataParallel`` that is after the reducer has written the all-reduced gradients into ``.grad``.
+
+**Collectives.** The wrappers of ``torch.distributed`` hand each call to :meth:`Recorder.dist_call`; what its
+record holds and when is told in :mod:`.collectives`.
 
 No gradient or activation is kept alive by the capture beyond the hook that records it.
 """
@@ -29,6 +34,13 @@ from typing import Any, Callable
 import torch
 
 from pytest_msprobe.dump.analyze import analyze_other
+from pytest_msprobe.dump.collectives import (
+    P2POp,
+    PendingCollective,
+    collective_tensors,
+    p2p_fields,
+    works_of,
+)
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.intercept import _tls
 from pytest_msprobe.dump.naming import (
@@ -51,6 +63,11 @@ _get_sequence_nr: Callable[[], int] = getattr(torch._C._autograd, "_get_sequence
 _add = torch._C._VariableFunctions.add
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
+
+
+def _queue_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends (raises outside of one)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 # -- selection ----------------------------------------------------------------------------------------------------
@@ -206,6 +223,11 @@ class Recorder:
         self._module_pending: list[_ModuleBackward] = []
         self._module_info: dict[int, tuple[str, list[tuple[str, torch.nn.Parameter]]]] = {}
         self._params_grad_ok: dict[str, bool] = {}
+        # parameters whose gradient this backward pass accumulated, recorded when it ends
+        self._grads_due: dict[tuple[str, str], torch.Tensor] = {}
+        self._grads_queued = False
+        # asynchronous collectives waiting for their work objects, by id of the work
+        self.dist_pending: dict[int, PendingCollective] = {}
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
@@ -243,6 +265,12 @@ class Recorder:
             return {
                 k: self.analyze(v, None if name is None else f"{name}.{k}", remember)
                 for k, v in value.items()
+            }
+        if P2POp is not None and isinstance(value, P2POp):
+            return {
+                "class_type": "torch.distributed.P2POp",
+                "tensor": self.analyze(value.tensor, name, remember),
+                **p2p_fields(value),
             }
         return analyze_other(value)
 
@@ -548,18 +576,140 @@ class Recorder:
         def on_accumulated(param: torch.Tensor) -> None:
             if self.closed or param.grad is None or not self._params_grad_ok.get(pg):
                 return
-            tls = _tls
-            tls.depth += 1
+            self._grads_due[(pg, pname)] = param
+            if self._grads_queued:
+                return
             try:
+                _queue_callback(self._at_backward_end)
+            except RuntimeError:  # not inside a backward pass of the engine: record it now
+                self._record_grads()
+            else:
+                self._grads_queued = True
+
+        return on_accumulated
+
+    def _at_backward_end(self) -> None:
+        # the final callbacks run in the order they were queued: this one was queued at the first accumulated
+        # gradient, before those queued later in the pass (DDP's reducer queues its finalisation when its last
+        # bucket is ready); queued again now, it runs after all of them
+        try:
+            _queue_callback(self._record_grads)
+        except RuntimeError:  # pragma: no cover - the engine accepts callbacks while running them
+            self._record_grads()
+
+    def _record_grads(self) -> None:
+        """Record the gradients of the parameters accumulated by the backward pass (``parameters_grad``)."""
+        self._grads_queued = False
+        due, self._grads_due = self._grads_due, {}
+        if self.closed or not due:
+            return
+        tls = _tls
+        tls.depth += 1
+        try:
+            for (pg, pname), param in due.items():
+                grad = param.grad
+                if grad is None:
+                    continue
+                self.engine.forget((grad,))  # reduced in place by a collective, its version unchanged
                 entry = self.data.get(pg)
                 if entry is None:
                     entry = self.data[pg] = {}
                 name = f"{pg}.{pname}" if self.names else None
-                entry[pname] = [self.analyze(param.grad, name, False)]
-            finally:
-                tls.depth -= 1
+                entry[pname] = [self.analyze(grad, name, False)]
+        finally:
+            tls.depth -= 1
 
-        return on_accumulated
+    # -- torch.distributed --------------------------------------------------------------------------------------
+
+    def dist_call(
+        self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Record a collective or point-to-point call (see :mod:`.collectives`)."""
+        tls = _tls
+        tls.depth += 1
+        try:
+            counts = self.counter.counts
+            index = counts.get(api, 0)
+            counts[api] = index + 1
+            fwd = f"{api}.{index}.{FORWARD}"
+            select = self.select
+            wanted = select.forward
+            if self.filtered:
+                wanted = select.enter(fwd) and wanted and select.listed(fwd)
+            if not wanted:
+                out = orig(*args, **kwargs)
+                self.engine.forget(collective_tensors(args, kwargs))
+                if self.filtered:
+                    select.leave(fwd)
+                return out
+            parent = self._parent() if self.with_api_parents else None
+            entry: dict[str, Any] = {}
+            if select.fwd_in:
+                grad = _is_grad_enabled()
+                if grad:
+                    _set_grad_enabled(False)
+                try:
+                    prefix = f"{fwd}.input" if self.names else None
+                    entry["input_args"], entry["input_kwargs"] = self._analyze_args(args, kwargs, prefix)
+                finally:
+                    if grad:
+                        _set_grad_enabled(True)
+            stack = capture_stack(2)
+            out = orig(*args, **kwargs)
+            self.data[fwd] = entry
+            self.stacks.add(fwd, stack)
+            if self.with_api_parents:
+                self.construct[fwd] = parent
+            self.engine.forget(collective_tensors(args, kwargs))
+            if select.fwd_out:
+                works = works_of(out)
+                if works:
+                    pending = PendingCollective(fwd, args, kwargs, works)
+                    for work in works:
+                        self.dist_pending[id(work)] = pending
+                else:
+                    entry["output"] = self._collective_output(fwd, args, kwargs)
+            if self.filtered:
+                select.leave(fwd)
+            return out
+        finally:
+            tls.depth -= 1
+
+    def work_waited(self, work: Any) -> None:
+        """A work object was waited for: complete the record of its collective once all of its works are done."""
+        pending = self.dist_pending.pop(id(work), None)
+        if pending is None or self.closed:
+            return
+        pending.left -= 1
+        if pending.left:
+            return
+        entry = self.data.get(pending.name)
+        if entry is None:
+            return
+        tls = _tls
+        tls.depth += 1
+        prev = _is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            self.engine.forget(collective_tensors(pending.args, pending.kwargs))
+            entry["output"] = self._collective_output(pending.name, pending.args, pending.kwargs)
+        finally:
+            _set_grad_enabled(prev)
+            tls.depth -= 1
+
+    def _collective_output(self, fwd: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """msprobe's ``output`` of a collective: its arguments after the call, positional then keyword values."""
+        values = [*args, *kwargs.values()]
+        grad = _is_grad_enabled()
+        if grad:
+            _set_grad_enabled(False)
+        try:
+            if not self.names:
+                return [self.analyze(v, None, False) for v in values]
+            return [self.analyze(v, f"{fwd}.output.{i}", False) for i, v in enumerate(values)]
+        finally:
+            if grad:
+                _set_grad_enabled(True)
 
     # -- optimizer ----------------------------------------------------------------------------------------------
 
@@ -588,6 +738,8 @@ class Recorder:
 
     def finish(self) -> None:
         """Write out the backward records still incomplete and drop empty reservations."""
+        self._record_grads()  # a backward pass that did not reach its end (it raised) still accumulated them
+        self.dist_pending.clear()  # never waited for: those records keep their inputs only
         for api_record in self._api_pending:
             if api_record.name not in self.data and any(p is not None for p in api_record.parts):
                 self.emit_api_backward(api_record)

@@ -1,10 +1,15 @@
 """API interception for level L1: thin wrappers installed on start and the exact originals put back on stop.
 
 The functions of ``torch.nn.functional``, ``torch``, ``torch.Tensor`` (methods and operators, dunder and in-place
-included), ``torch._VF`` and ``torch_npu`` (when imported) named in :mod:`.api_lists` are replaced by wrappers;
-restoring puts the originals back (a ``Tensor`` dunder inherited from ``torch._C.TensorBase`` is deleted again
-rather than re-set). A wrapper costs one global read when no step is being recorded, and a thread-local depth
-counter keeps calls made inside a captured call (or inside the dump's own code and threads) from being recorded.
+included), ``torch._VF``, ``torch_npu`` (when imported) and ``torch.distributed`` named in :mod:`.api_lists` are
+replaced by wrappers; restoring puts the originals back (a ``Tensor`` dunder inherited from ``torch._C.TensorBase``
+is deleted again rather than re-set). A wrapper costs one global read when no step is being recorded, and a
+thread-local depth counter keeps calls made inside a captured call (or inside the dump's own code and threads) from
+being recorded.
+
+The collectives of ``torch.distributed`` go to :meth:`Recorder.dist_call`; while they are wrapped,
+``torch.distributed.Work.wait`` is wrapped too, so that an asynchronous collective (``async_op=True``, ``isend``,
+``irecv``, ``batch_isend_irecv``) is recorded when the program waits for it, the moment its tensors are final.
 """
 
 from __future__ import annotations
@@ -76,6 +81,90 @@ def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
     return wrapper
 
 
+def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
+    """A wrapper of a torch.distributed collective (recorded with its tensors after the call, see capture)."""
+    if api in _P2P_APIS:
+        return _P2PWrapper(orig, api)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        recorder = _RECORDER
+        if recorder is None or _tls.depth:
+            return orig(*args, **kwargs)
+        return recorder.dist_call(api, orig, args, kwargs)
+
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(wrapper, attr, getattr(orig, attr))
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+_P2P_APIS = frozenset({"Distributed.isend", "Distributed.irecv"})
+
+
+class _P2PWrapper:
+    """The wrapper of ``isend`` / ``irecv``, which torch.distributed also uses as the tag of a ``P2POp``.
+
+    ``P2POp(dist.isend, ...)`` checks its function with ``op in [isend, irecv]``, so the wrapper compares and
+    hashes equal to the function it wraps; it is installed in ``torch.distributed`` only, so the names inside
+    ``distributed_c10d`` stay the originals. ``batch_isend_irecv`` tells sends from receives with ``op.op is isend``
+    and passes a send it takes for a receive ``group_src=`` instead of ``group_dst=``: the wrapper of ``isend``
+    hands that peer on as ``group_dst``, which is what the original send needs (``isend`` has no ``group_src``,
+    so no correct call is changed). P2POp objects built while a step is captured then work during and after it.
+    """
+
+    def __init__(self, orig: Callable[..., Any], api: str) -> None:
+        self.__wrapped__ = orig
+        self._api = api
+        self._send = api == "Distributed.isend"
+        self.__name__: str = getattr(orig, "__name__", api.rpartition(".")[2])
+        self.__qualname__: str = getattr(orig, "__qualname__", self.__name__)
+        self.__doc__ = getattr(orig, "__doc__", None)
+        self.__module__ = getattr(orig, "__module__", "torch.distributed")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._send and "group_src" in kwargs and "group_dst" not in kwargs:
+            kwargs["group_dst"] = kwargs.pop("group_src")
+        orig = self.__wrapped__
+        recorder = _RECORDER
+        if recorder is None or _tls.depth:
+            return orig(*args, **kwargs)
+        return recorder.dist_call(self._api, orig, args, kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is self.__wrapped__
+
+    def __hash__(self) -> int:
+        return hash(self.__wrapped__)
+
+    def __repr__(self) -> str:
+        return repr(self.__wrapped__)
+
+
+def _make_wait_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
+    """``Work.wait``: once the work is done, the recorder completes the record of the collective that made it.
+
+    The collectives waited for inside torch.distributed itself (the synchronous ones) run at depth > 0 and are
+    not looked up.
+    """
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = orig(self, *args, **kwargs)
+        recorder = _RECORDER
+        if recorder is not None and recorder.dist_pending and not _tls.depth:
+            recorder.work_waited(self)
+        return result
+
+    for attr in ("__name__", "__qualname__", "__doc__"):
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(wait, attr, getattr(orig, attr))
+    wait.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wait
+
+
+_Factory = Callable[[Callable[..., Any], str], Callable[..., Any]]
+
+
 class _Batch:
     """The functions to wrap that live on one object (a module, ``torch.Tensor``, ``torch._VF``).
 
@@ -83,10 +172,13 @@ class _Batch:
     ``update`` and a class's attributes in a tight loop, so a start/stop pair costs well under a millisecond.
     """
 
-    def __init__(self, owner: Any, names: list[str], apis: list[str]) -> None:
+    def __init__(
+        self, owner: Any, names: list[str], apis: list[str], factory: _Factory = _make_wrapper
+    ) -> None:
         self.owner = owner
         self.names = names
         self.apis = dict(zip(names, apis))
+        self.factory = factory
         # a plain module: its dict can be updated directly; a class or torch._VF needs setattr/delattr
         plain_module = isinstance(owner, types.ModuleType) and all(n in owner.__dict__ for n in names)
         self.module_dict: dict[str, Any] | None = owner.__dict__ if plain_module else None
@@ -101,7 +193,7 @@ class _Batch:
         for name, value in current.items():
             if originals.get(name) is not value:
                 originals[name] = value
-                wrappers[name] = _make_wrapper(value, apis[name])
+                wrappers[name] = self.factory(value, apis[name])
         for name in [n for n in wrappers if n not in current]:
             del wrappers[name], originals[name]
 
@@ -142,17 +234,48 @@ class _Batch:
 _BATCHES: dict[tuple[str, int], list[_Batch]] = {}
 
 
-def _namespaces() -> list[tuple[str, Any, tuple[str, ...]]]:
-    spaces: list[tuple[str, Any, tuple[str, ...]]] = [
-        ("functional", torch.nn.functional, api_lists.FUNCTIONAL),
-        ("torch", torch, api_lists.TORCH),
-        ("tensor", torch.Tensor, api_lists.TENSOR),
-        ("vf", torch._VF, api_lists.VF),
+def _namespaces() -> list[tuple[str, Any, tuple[str, ...], _Factory]]:
+    spaces: list[tuple[str, Any, tuple[str, ...], _Factory]] = [
+        ("functional", torch.nn.functional, api_lists.FUNCTIONAL, _make_wrapper),
+        ("torch", torch, api_lists.TORCH, _make_wrapper),
+        ("tensor", torch.Tensor, api_lists.TENSOR, _make_wrapper),
+        ("vf", torch._VF, api_lists.VF, _make_wrapper),
     ]
     npu = sys.modules.get("torch_npu")
     if npu is not None and importlib.util.find_spec("torch_npu") is not None:
-        spaces.append(("npu", npu, api_lists.NPU))
+        spaces.append(("npu", npu, api_lists.NPU, _make_wrapper))
+    dist = _distributed()
+    if dist is not None:
+        spaces.append(("distributed", dist, api_lists.DISTRIBUTED, _make_dist_wrapper))
+        # isend / irecv stay the originals inside distributed_c10d (see _P2PWrapper)
+        in_c10d = tuple(n for n in api_lists.DISTRIBUTED if f"Distributed.{n}" not in _P2P_APIS)
+        spaces.append(("distributed_c10d", dist.distributed_c10d, in_c10d, _make_dist_wrapper))
+        functional = sys.modules.get("torch.distributed.nn.functional")
+        if functional is not None:  # imported by the program: its collectives with autograd
+            spaces.append(("distributed_nn", functional, api_lists.DISTRIBUTED_NN, _make_wrapper))
     return spaces
+
+
+def _distributed() -> Any:
+    """``torch.distributed`` when this torch build has it, else None."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch built without distributed support
+        return None
+    return dist if dist.is_available() else None
+
+
+_WAIT_BATCH: list[_Batch] = []
+
+
+def _wait_batch() -> list[_Batch]:
+    """The batch wrapping ``torch.distributed.Work.wait`` (empty without torch.distributed)."""
+    if not _WAIT_BATCH:
+        dist = _distributed()
+        work = getattr(dist, "Work", None) if dist is not None else None
+        if work is not None and _wrappable(work, "wait"):
+            _WAIT_BATCH.append(_Batch(work, ["wait"], ["Work.wait"], _make_wait_wrapper))
+    return _WAIT_BATCH
 
 
 def _wrappable(owner: Any, attr: str) -> bool:
@@ -168,7 +291,7 @@ def _wrappable(owner: Any, attr: str) -> bool:
     return callable(getattr(owner, attr, None))
 
 
-def _batches(key: str, space: Any, names: tuple[str, ...]) -> list[_Batch]:
+def _batches(key: str, space: Any, names: tuple[str, ...], factory: _Factory) -> list[_Batch]:
     cache_key = (key, id(space))
     found = _BATCHES.get(cache_key)
     if found is None:
@@ -185,7 +308,7 @@ def _batches(key: str, space: Any, names: tuple[str, ...]) -> list[_Batch]:
                 slot = by_owner.setdefault(id(owner), (owner, [], []))
                 slot[1].append(attr)
                 slot[2].append(f"{prefix}.{dotted}")
-        found = _BATCHES[cache_key] = [_Batch(o, n, a) for o, n, a in by_owner.values()]
+        found = _BATCHES[cache_key] = [_Batch(o, n, a, factory) for o, n, a in by_owner.values()]
     return found
 
 
@@ -202,10 +325,14 @@ class ApiPatcher:
     def install(self) -> None:
         if self._installed:
             return
-        for key, space, names in _namespaces():
-            for batch in _batches(key, space, names):
+        for key, space, names, factory in _namespaces():
+            for batch in _batches(key, space, names, factory):
                 batch.install()
                 self._installed.append(batch)
+            if key == "distributed":
+                for batch in _wait_batch():
+                    batch.install()
+                    self._installed.append(batch)
 
     def uninstall(self) -> None:
         for batch in reversed(self._installed):

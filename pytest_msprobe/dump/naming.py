@@ -28,6 +28,8 @@ PREFIXES: dict[str, str] = {
     "vf": "VF",
     "npu": "NPU",
     "distributed": "Distributed",
+    "distributed_c10d": "Distributed",
+    "distributed_nn": "Distributed",
 }
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -476,6 +476,13 @@ class StatEngine:
         self._pending_crc.clear()
         self._groups.clear()
         self._cache.clear()
+
+    def forget(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Drop the cached results of these tensors: they were changed in a way their version does not show."""
+        cache = self._cache
+        if cache:
+            for t in tensors:
+                cache.pop(id(t), None)
 
     def clear_cache(self) -> None:
         """Drop the reuse cache (and the tensors it keeps alive)."""

@@ -1,0 +1,308 @@
+"""Train a small ResNet with DistributedDataParallel for a few steps, every rank dumping its own precision data.
+
+Each rank trains on its own batches, DDP all-reduces the gradients, and pytest-msprobe's ``PrecisionDebugger``
+writes ``dump_path/step{N}/rank{R}/`` on every rank. ``--fault-rank R`` makes one relu of every forward 1% wrong
+on rank R only (a faulty kernel with its own autograd node): the compare of that dump against a clean one names
+rank R, although the all-reduce carries the error to every rank's gradients.
+
+    # two ranks on the CPU (gloo), launched by this script
+    python examples/ddp/train_ddp.py --world-size 2 --dump-path ddp_dump
+    # the same under torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT come from it)
+    torchrun --nproc-per-node 2 examples/ddp/train_ddp.py --dump-path ddp_dump
+    # CUDA (nccl) or Ascend NPU (hccl): one device per rank
+    torchrun --nproc-per-node 8 examples/ddp/train_ddp.py --device npu --dump-path npu_dump
+    # a faulty rank, then the compare
+    python examples/ddp/train_ddp.py --world-size 2 --dump-path bad_dump --fault-rank 1
+    pytest-msprobe compare bad_dump ddp_dump -o compare_result
+
+``train`` is importable: it runs one rank inside a process group that its caller has initialised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+# F.relu calls in one forward of TinyResNet: the stem's nn.ReLU, then two in each block
+RELUS_PER_FORWARD = 5
+# the relu made faulty by --fault-rank: layer1's first (Functional.relu.1 in a dump of the first step)
+FAULTY_RELU = 1
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with batch norm, and a shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        return F.relu(out + identity)
+
+
+class TinyResNet(nn.Module):
+    """A stem, two basic blocks and a classifier: small enough for a few CPU steps on every rank."""
+
+    def __init__(self, num_classes: int = 10, width: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(2)
+        self.layer1 = BasicBlock(width, width)
+        self.layer2 = BasicBlock(width, 2 * width, stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def rank_batch(step: int, rank: int, batch: int = 8, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of one rank at one step: its own samples, the same on every run and every device."""
+    gen = torch.Generator().manual_seed(1000 + 100 * rank + step)
+    x = torch.randn(batch, 3, size, size, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    return x, y
+
+
+class _FaultyRelu(torch.autograd.Function):
+    """A relu kernel whose output is ``1 + scale`` times too large; its gradient is relu's."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        out = torch.clamp_min(x, 0) * (1.0 + scale)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (out,) = ctx.saved_tensors
+        return grad * (out > 0), None
+
+
+def install_relu_fault(scale: float = 0.01) -> Callable[[], None]:
+    """Make the ``FAULTY_RELU``-th ``F.relu`` call of every forward faulty; returns the function that undoes it.
+
+    ``F.relu`` itself is replaced, as a faulty device kernel would be: a dump records the call as
+    ``Functional.relu`` with the wrong output, and nothing else changes.
+    """
+    original = F.relu
+    calls = [0]
+
+    def relu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        index = calls[0] % RELUS_PER_FORWARD
+        calls[0] += 1
+        if index == FAULTY_RELU and not inplace:
+            return _FaultyRelu.apply(input, scale)
+        return original(input, inplace=inplace)
+
+    F.relu = relu  # type: ignore[assignment]
+
+    def restore() -> None:
+        F.relu = original
+
+    return restore
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank's training produced: the loss and the (all-reduced) parameter gradients of every step."""
+
+    rank: int
+    world_size: int
+    losses: list[torch.Tensor] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+def train(
+    steps: int = 3,
+    dump_path: str | os.PathLike[str] | None = None,
+    task: str = "statistics",
+    level: str = "L1",
+    dump_ranks: Sequence[int] | None = None,
+    fault_rank: int | None = None,
+    fault_scale: float = 0.01,
+    device: str = "cpu",
+    width: int = 8,
+    seed: int = 1234,
+) -> RankResult:
+    """Train this rank of an initialised process group with DDP; dump to ``dump_path`` when it is given.
+
+    ``dump_ranks`` limits the dump to those global ranks (the others dump nothing but train as usual);
+    ``fault_rank`` makes one relu faulty on that rank (see ``install_relu_fault``).
+    """
+    from pytest_msprobe import PrecisionDebugger, seed_all
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "train() runs one rank of a process group: call torch.distributed.init_process_group"
+        )
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    seed_all(seed=seed, mode=True)
+    dev = torch.device(device if device == "cpu" else f"{device}:{int(os.environ.get('LOCAL_RANK', rank))}")
+    net = TinyResNet(width=width).to(dev)  # the same weights on every rank: seeded alike (DDP checks it)
+    model = DistributedDataParallel(net, device_ids=None if dev.type == "cpu" else [dev.index])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    debugger = None
+    if dump_path is not None:
+        summary = {"summary_mode": "md5"} if task == "md5" else {}
+        debugger = PrecisionDebugger(
+            dump_path=str(dump_path),
+            task="statistics" if task == "md5" else task,
+            level=level,
+            rank=list(dump_ranks) if dump_ranks is not None else None,
+            **summary,
+        )
+    restore = install_relu_fault(fault_scale) if fault_rank == rank else None
+    result = RankResult(rank=rank, world_size=world_size)
+    try:
+        for step in range(steps):
+            x, y = (t.to(dev) for t in rank_batch(step, rank))
+            if debugger is not None:
+                debugger.start(model=model if level != "L1" else None)
+            loss = loss_fn(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if debugger is not None:
+                debugger.stop()
+                debugger.step()
+            result.losses.append(loss.detach().cpu().clone())
+            result.grads.append(
+                {n: p.grad.detach().cpu().clone() for n, p in net.named_parameters() if p.grad is not None}
+            )
+    finally:
+        if restore is not None:
+            restore()
+        if debugger is not None:
+            debugger.close()
+    return result
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for the rendezvous of ranks launched here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(script: str | os.PathLike[str], args: Sequence[str], world_size: int, timeout: float = 300) -> int:
+    """Run ``script args`` once per rank, torchrun-style (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    Returns 0 when every rank succeeded, else the first failing rank's exit status.
+    """
+    port = str(free_port())
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env))
+    status = 0
+    try:
+        for proc in procs:
+            code = proc.wait(timeout=timeout)
+            status = status or code
+    finally:
+        for proc in procs:  # one rank failed or hung: the others would wait for it forever
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return status
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="DDP TinyResNet training steps with per-rank precision dumping."
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="ranks to launch (default: 2; torchrun's wins)"
+    )
+    parser.add_argument("--device", default="cpu", choices=sorted(BACKENDS), help="cpu (gloo), cuda, npu")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (default: 3)")
+    parser.add_argument("--dump-path", default=None, help="write the dump here (default: no dumping)")
+    parser.add_argument("--task", default="statistics", choices=["statistics", "tensor", "md5"])
+    parser.add_argument("--level", default="L1", choices=["L0", "L1", "mix"])
+    parser.add_argument(
+        "--rank", type=int, nargs="*", default=None, help="dump only these ranks (default: all)"
+    )
+    parser.add_argument("--fault-rank", type=int, default=None, help="make one relu 1%% wrong on this rank")
+    parser.add_argument("--fault-scale", type=float, default=0.01, help="relative error of the fault (0.01)")
+    parser.add_argument(
+        "--results", default=None, help="save each rank's losses and gradients here (rank{R}.pt)"
+    )
+    return parser.parse_args(argv)
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """One rank, in a torchrun-style environment: join the group, train, leave."""
+    dist.init_process_group(backend=BACKENDS[args.device], init_method="env://")
+    try:
+        result = train(
+            steps=args.steps,
+            dump_path=args.dump_path,
+            task=args.task,
+            level=args.level,
+            dump_ranks=args.rank,
+            fault_rank=args.fault_rank,
+            fault_scale=args.fault_scale,
+            device=args.device,
+        )
+        if args.results:
+            Path(args.results).mkdir(parents=True, exist_ok=True)
+            torch.save(
+                {"losses": result.losses, "grads": result.grads},
+                Path(args.results) / f"rank{result.rank}.pt",
+            )
+        losses = " ".join(f"{float(v):.6f}" for v in result.losses)
+        print(f"rank {result.rank}/{result.world_size}: losses {losses}", flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # under torchrun, or one of the ranks launched below
+        return run_rank(args)
+    status = launch(__file__, sys.argv[1:] if argv is None else list(argv), args.world_size)
+    if status == 0 and args.dump_path:
+        print(f"dump written to {args.dump_path}", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
