@@ -166,6 +166,8 @@ def train(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     seed_all(seed=seed, mode=True)
     dev = torch.device(device if device == "cpu" else f"{device}:{int(os.environ.get('LOCAL_RANK', rank))}")
+    if dev.type != "cpu":
+        getattr(torch, dev.type).set_device(dev)  # nccl / hccl: one device per rank, the rank's own
     net = TinyResNet(width=width).to(dev)  # the same weights on every rank: seeded alike (DDP checks it)
     model = DistributedDataParallel(net, device_ids=None if dev.type == "cpu" else [dev.index])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

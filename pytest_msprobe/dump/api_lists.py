@@ -8,8 +8,8 @@ wrappers are installed, so one list serves several torch versions.
 
 The record prefix of each namespace is msprobe's, so names line up with its dumps: ``torch.nn.functional`` ->
 ``Functional``, ``torch`` -> ``Torch``, ``torch.Tensor`` -> ``Tensor``, ``torch._VF`` -> ``VF``,
-``torch_npu`` -> ``NPU``, ``torch.distributed`` -> ``Distributed``.  Names in the torch list may be dotted (``linalg.norm``): the function is looked up in the
-sub-namespace and recorded as ``Torch.linalg.norm``.
+``torch_npu`` -> ``NPU``, ``torch.distributed`` -> ``Distributed``.  Names in the torch list may be dotted
+(``linalg.norm``): the function is looked up in the sub-namespace and recorded as ``Torch.linalg.norm``.
 """
 
 from __future__ import annotations
@@ -174,15 +174,18 @@ NPU: tuple[str, ...] = _names(
     """
 )
 
-# torch.distributed's collectives and point-to-point calls: msprobe's list (its ``support_wrap_ops.yaml``). They are
-# wrapped both in ``torch.distributed`` and in ``torch.distributed.distributed_c10d``, whose own functions call
-# each other through that module's globals (``all_gather_object`` -> ``all_gather``). ``barrier`` and the object
-# collectives are left out as msprobe leaves them out: they carry no tensor worth comparing, and a record that an
-# msprobe baseline lacks would show up as an unmatched call.
+# torch.distributed's collectives and point-to-point calls: msprobe's list (its ``support_wrap_ops.yaml``), and the
+# single-tensor names of recent torch versions (``all_gather_single``, ``reduce_scatter_single``, ``gather_single``,
+# ``gather_into_tensor``), which the older names call. They are wrapped both in ``torch.distributed`` and in
+# ``torch.distributed.distributed_c10d``, whose own functions call each other through that module's globals; a
+# collective called by another is nested and recorded once, under the name the program called. ``barrier`` and
+# the object collectives are left out as msprobe leaves them out: they carry no tensor worth comparing, and a
+# record that an msprobe baseline lacks would show up as an unmatched call.
 DISTRIBUTED: tuple[str, ...] = _names(
     """
-    all_gather all_gather_into_tensor all_reduce all_to_all all_to_all_single batch_isend_irecv broadcast gather
-    irecv isend recv reduce reduce_scatter reduce_scatter_tensor scatter send _all_gather_base _reduce_scatter_base
+    all_gather all_gather_into_tensor all_gather_single all_reduce all_to_all all_to_all_single batch_isend_irecv
+    broadcast gather gather_into_tensor gather_single irecv isend recv reduce reduce_scatter reduce_scatter_single
+    reduce_scatter_tensor scatter send _all_gather_base _reduce_scatter_base
     """
 )
 

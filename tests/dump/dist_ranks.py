@@ -47,7 +47,9 @@ def collectives(out: Path, rank: int, world: int) -> None:
     gathered = [torch.zeros(2) for _ in range(world)]
     dist.all_gather(gathered, torch.full((2,), float(rank)))
     flat = torch.zeros(2 * world)
-    dist.all_gather_into_tensor(flat, torch.full((2,), float(rank)))
+    dist.all_gather_into_tensor(flat, torch.full((2,), float(rank)))  # calls all_gather_single in torch 2.14
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single(flat, torch.full((2,), float(rank + 1)))
     scattered = torch.zeros(2)
     dist.reduce_scatter(scattered, [torch.full((2,), float(i + rank)) for i in range(world)])
     reduced = torch.full((2,), float(rank + 1))

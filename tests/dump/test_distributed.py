@@ -91,12 +91,16 @@ def test_every_collective_and_point_to_point_call_is_recorded(ranks_out: Path, r
     data = _data(ranks_out / "collectives", 0, rank)
     names = [k for k in data if k.startswith("Distributed.")]
     sent = "Distributed.send.0.forward" if rank == 0 else "Distributed.recv.0.forward"
+    single = (
+        ["Distributed.all_gather_single.0.forward"] if hasattr(torch.distributed, "all_gather_single") else []
+    )
     assert names == [
         "Distributed.all_reduce.0.forward",
         "Distributed.all_reduce.1.forward",
         "Distributed.broadcast.0.forward",
         "Distributed.all_gather.0.forward",
         "Distributed.all_gather_into_tensor.0.forward",
+        *single,
         "Distributed.reduce_scatter.0.forward",
         "Distributed.reduce.0.forward",
         "Distributed.all_reduce.2.forward",
@@ -112,6 +116,15 @@ def test_every_collective_and_point_to_point_call_is_recorded(ranks_out: Path, r
     assert _stat(broadcast["output"][0]) == ([3], 2.0, 0.0, 1.0)
     gathered = data["Distributed.all_gather.0.forward"]["output"][0]
     assert [_stat(t) for t in gathered] == [([2], 0.0, 0.0, 0.0), ([2], 1.0, 1.0, 1.0)]
+    flat = data["Distributed.all_gather_into_tensor.0.forward"]
+    assert _stat(flat["input_args"][0]) == ([4], 0.0, 0.0, 0.0)
+    assert _stat(flat["output"][0]) == ([4], 1.0, 0.0, 0.5)
+    reduce_scatter = data["Distributed.reduce_scatter.0.forward"]
+    # rank r sends i + r to rank i: rank i receives i + 0 + i + 1
+    assert _stat(reduce_scatter["output"][0]) == ([2], 2.0 * rank + 1, 2.0 * rank + 1, 2.0 * rank + 1)
+    reduced = data["Distributed.reduce.0.forward"]["output"][0]
+    if rank == 0:
+        assert _stat(reduced) == ([2], 3.0, 3.0, 3.0)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -226,3 +239,32 @@ def test_example_rerun_gives_the_same_dumps_and_a_fault_stays_on_its_rank(
     out_clean, out_bad = clean[names[0]]["output"][0], bad[names[0]]["output"][0]
     assert out_bad["Max"] == pytest.approx(out_clean["Max"] * 1.01, rel=1e-6)
     assert clean[names[0]]["input_args"] == bad[names[0]]["input_args"]
+
+
+# -- the same code paths on accelerators (nccl, hccl): skipped where there is none -----------------------------
+
+
+def _accelerators(device: str) -> int:
+    if device == "cuda":
+        ok = torch.cuda.is_available() and torch.distributed.is_nccl_available()
+        return torch.cuda.device_count() if ok else 0
+    from pytest_msprobe.device import npu_usable
+
+    return int(torch.npu.device_count()) if npu_usable() else 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+def test_example_on_accelerators(tmp_path: Path, example: ModuleType, device: str) -> None:
+    count = _accelerators(device)
+    if not count:
+        pytest.skip(f"no {device} device with its collective backend on this machine")
+    world = min(2, count)  # one device per rank
+    dump = tmp_path / "dump"
+    _run_example(
+        example, "--device", device, "--world-size", str(world), "--dump-path", str(dump), "--level", "mix"
+    )
+    for rank in range(world):
+        data = _data(dump, 0, rank)
+        assert "Module.module.conv1.Conv2d.forward.0" in data
+        grad = data["Module.module.fc.Linear.parameters_grad"]["weight"][0]
+        assert grad["shape"] == [10, 16] and grad["Norm"] > 0
