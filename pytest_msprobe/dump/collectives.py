@@ -17,6 +17,18 @@ record with its inputs only.
 Process groups, reduce operations and ``P2POp`` objects are written as msprobe writes them (see
 :mod:`.analyze`). Collectives write into tensors without advancing their version counter, so the statistics cache
 forgets every tensor a collective touched.
+
+The collectives with autograd of ``torch.distributed.nn.functional`` are recorded under the same
+``Distributed.<name>`` (the plain collective they run inside is nested and not recorded again) and get a
+``backward`` record from the autograd node of their output; the collective their backward runs is then recorded
+as a forward call made during the backward pass, as any API called there is.
+
+What is not seen: collectives issued from C++ never pass through these wrappers. That covers every gradient
+all-reduce of ``DistributedDataParallel`` (its reducer buckets the gradients and all-reduces them itself), its
+buffer broadcast, and the ``torch.distributed._functional_collectives`` used by compiled code and DTensor. What DDP
+did shows in the parameter gradients, which are recorded after the reduction (see :mod:`.capture`). Nothing here
+depends on the backend: gloo, nccl and hccl take the same path (with nccl and hccl a work's ``wait()`` orders the
+device stream and the statistics are queued after it).
 """
 
 from __future__ import annotations

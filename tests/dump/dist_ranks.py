@@ -4,6 +4,7 @@ Everything the tests look at is made in one process group, so the ranks start on
 
 - ``OUT/collectives``: every collective and point-to-point call of torch.distributed that gloo runs, at L1;
 - ``OUT/filtered``: a dump with ``rank=[1]`` around an all_reduce (``OUT/filtered_rank{R}.json``: its result);
+- ``OUT/tensors``: an all_reduce, synchronous then asynchronous, with task ``tensor``;
 - ``OUT/functional``: a ``torch.distributed.nn.functional.all_reduce`` with its backward, at L1;
 - ``OUT/ddp_{plain,L1,mix}.pt`` and ``OUT/ddp_L1``, ``OUT/ddp_mix``: the DDP example's training, undumped and
   dumped (losses and gradients of each rank, ``rank{R}`` appended to the ``.pt`` name).
@@ -90,6 +91,21 @@ def filtered(out: Path, rank: int) -> None:
     (out / f"filtered_rank{rank}.json").write_text(json.dumps(t.tolist()))
 
 
+def tensors(out: Path, rank: int) -> None:
+    """task tensor: the files of an in-place all_reduce hold the tensor before and after the reduction."""
+    from pytest_msprobe import PrecisionDebugger
+
+    debugger = PrecisionDebugger(dump_path=str(out), task="tensor", level="L1", list=["Distributed"])
+    debugger.start()
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    work = dist.all_reduce(t, async_op=True)
+    assert work is not None
+    work.wait()
+    debugger.stop()
+    debugger.close()
+
+
 def functional(out: Path, rank: int) -> None:
     """An all_reduce with autograd: its forward and its backward (itself an all_reduce of the gradient)."""
     import torch.distributed.nn.functional as dist_fn
@@ -120,6 +136,7 @@ def main() -> None:
     try:
         collectives(out / "collectives", rank, world)
         filtered(out, rank)
+        tensors(out / "tensors", rank)
         functional(out / "functional", rank)
         ddp(out, rank)
     finally:

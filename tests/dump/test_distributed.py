@@ -144,6 +144,18 @@ def test_asynchronous_calls_are_recorded_when_waited_for(ranks_out: Path, rank: 
     assert _stat(recv_op["tensor"]) == ([2], peer + 20.0, peer + 20.0, peer + 20.0)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_files_of_an_in_place_collective_hold_before_and_after(ranks_out: Path, rank: int) -> None:
+    folder = ranks_out / "tensors" / "step0" / f"rank{rank}" / "dump_tensor_data"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        f"Distributed.all_reduce.{n}.forward.{io}.0.pt" for n in (0, 1) for io in ("input", "output")
+    ]
+    expected = {(0, "input"): rank + 1.0, (0, "output"): 3.0, (1, "input"): 3.0, (1, "output"): 6.0}
+    for (n, io), value in expected.items():
+        saved = torch.load(folder / f"Distributed.all_reduce.{n}.forward.{io}.0.pt", weights_only=True)
+        assert torch.equal(saved, torch.full((4,), value))
+
+
 def test_ranks_left_out_dump_nothing_and_still_take_part(ranks_out: Path) -> None:
     folder = ranks_out / "filtered"
     assert sorted(p.name for p in (folder / "step0").iterdir()) == ["rank1"]
@@ -225,10 +237,14 @@ def test_example_rerun_gives_the_same_dumps_and_a_fault_stays_on_its_rank(
     tmp_path: Path, ranks_out: Path, example: ModuleType
 ) -> None:
     again = tmp_path / "again"
-    _run_example(example, "--dump-path", str(again), "--steps", "2")
+    results = tmp_path / "results"
+    _run_example(example, "--dump-path", str(again), "--steps", "2", "--results", str(results))
     for step in (0, 1):
         for rank in (0, 1):
             assert _data(again, step, rank) == _data(ranks_out / "ddp_L1", step, rank)
+    for rank in (0, 1):
+        saved = torch.load(results / f"rank{rank}.pt", weights_only=True)
+        assert _bitwise_equal(saved, torch.load(ranks_out / f"ddp_L1_rank{rank}.pt", weights_only=True))
 
     faulty = tmp_path / "faulty"
     _run_example(example, "--dump-path", str(faulty), "--steps", "2", "--fault-rank", "1", "--rank", "1")
