@@ -233,7 +233,7 @@ def _run_example(example: ModuleType, *args: str) -> None:
     assert example.launch(EXAMPLE, list(args), world_size=2, timeout=240) == 0
 
 
-def test_example_rerun_gives_the_same_dumps_and_a_fault_stays_on_its_rank(
+def test_example_rerun_gives_the_same_dumps_and_numbers(
     tmp_path: Path, ranks_out: Path, example: ModuleType
 ) -> None:
     again = tmp_path / "again"
@@ -246,10 +246,14 @@ def test_example_rerun_gives_the_same_dumps_and_a_fault_stays_on_its_rank(
         saved = torch.load(results / f"rank{rank}.pt", weights_only=True)
         assert _bitwise_equal(saved, torch.load(ranks_out / f"ddp_L1_rank{rank}.pt", weights_only=True))
 
+
+def test_example_fault_on_one_rank_shows_first_at_its_relu(
+    tmp_path: Path, ranks_out: Path, example: ModuleType
+) -> None:
     faulty = tmp_path / "faulty"
     _run_example(example, "--dump-path", str(faulty), "--steps", "2", "--fault-rank", "1", "--rank", "1")
     assert sorted(p.name for p in (faulty / "step0").iterdir()) == ["rank1"]
-    clean, bad = _data(again, 0, 1), _data(faulty, 0, 1)
+    clean, bad = _data(ranks_out / "ddp_L1", 0, 1), _data(faulty, 0, 1)
     names = [k for k in clean if clean[k] != bad.get(k)]
     assert names and names[0] == "Functional.relu.1.forward"
     out_clean, out_bad = clean[names[0]]["output"][0], bad[names[0]]["output"][0]
