@@ -264,6 +264,10 @@ class MsprobeRun:
         self.debugger.close()
         # a rank process only dumps: its launcher regenerates or compares every rank's dump
         if not self.active or self.rank_process or self.store is None or self.baseline_dir is None:
+            if self.world_size > 1 and not self.rank_process:  # nothing to compare: the ranks' logs served
+                shutil.rmtree(self.ranks_dir, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    self.output_dir.rmdir()
             return Outcome(INACTIVE)
         if not is_dump_root(self.dump_dir):
             raise ConfigError(

@@ -167,13 +167,29 @@ def test_two_gloo_ranks_regen_pass_and_a_fault_on_rank_one_names_rank_one(
     assert _children() == []
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
-def test_a_rank_that_raises_fails_the_test_with_its_traceback_and_stops_the_others(
-    pytester: pytest.Pytester,
-) -> None:
-    pytester.makepyfile(test_bad=BAD_RANKS)
-    result = pytester.runpytest(*BASE, "-k", "raises")  # rank 0 would wait in its barrier for 600 s
-    result.assert_outcomes(failed=1)
+XDIST = textwrap.dedent(
+    """
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+
+    @pytest.mark.msprobe(world_size=2)
+    def test_sums(msprobe):
+        total = torch.tensor([float(msprobe.rank + 1)])
+        dist.all_reduce(total)
+        assert total.item() == 3.0
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
+def test_multi_rank_tests_under_xdist_get_their_own_process_groups(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_sums=XDIST, test_bad=BAD_RANKS)
+    # two workers, each launching two ranks at the same time: a shared port or folder would break one of them
+    result = pytester.runpytest_subprocess(*BASE, "-n", "2", "-k", "sums or raises")
+    result.assert_outcomes(passed=1, failed=1)
+    # rank 0 waits in a barrier rank 1 never joins: it is stopped as soon as rank 1 fails, not at the timeout
     result.stdout.fnmatch_lines(
         [
             "msprobe: rank 1 of 2 failed (exit status 1); rank 0 was stopped",
@@ -183,7 +199,9 @@ def test_a_rank_that_raises_fails_the_test_with_its_traceback_and_stops_the_othe
         ]
     )
     assert "did not finish" not in result.stdout.str()
-    assert _children() == []
+    output = pytester.path / "msprobe-output"
+    assert not (output / "test_sums" / "test_sums").exists()  # nothing compared: the ranks' logs are gone
+    assert (output / "test_bad" / "test_raises" / "ranks" / "rank1.log").is_file()  # a failure's are kept
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
