@@ -215,8 +215,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         pyfuncitem.user_properties.append(("msprobe_failed_rank", rank))
         pytest.fail(f"msprobe: {message}", pytrace=False)
     reason = rank_skip(exits)
-    if reason is not None:
-        pytest.skip(reason)
+    if reason is not None:  # reported at the test, as a skip marker's is, not at this hook
+        raise pytest.skip.Exception(reason, _use_item_location=True)
     return True
 
 

@@ -293,7 +293,7 @@ def _store(timeout: float) -> Generator[Any, None, None]:
     try:
         yield store
     finally:
-        del store  # the server stops with the last reference
+        del store  # the server stops with its last reference, the caller's, once the ranks have ended
 
 
 def launch(

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_msprobe.errors import ConfigError
-from pytest_msprobe.ranks import run_processes
+from pytest_msprobe.ranks import RankExit, rank_failure, rank_skip, run_processes
 from pytest_msprobe.settings import DEFAULT_RANK_TIMEOUT, resolve_test
 
 BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
@@ -288,3 +288,69 @@ def test_run_processes_reaps_every_process_on_keyboard_interrupt(tmp_path: Path)
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert _children() == []
+
+
+def _exit(rank: int, status: int = 0, order: int = 0, outcome: str = "passed", **more: Any) -> RankExit:
+    fields: dict[str, Any] = dict(
+        rank=rank,
+        status=status,
+        stopped=order < 0,
+        timed_out=False,
+        order=order,
+        found=True,
+        outcome=outcome,
+        phase="call",
+        report="",
+        output="",
+        stack="",
+    )
+    return RankExit(**{**fields, **more})
+
+
+@pytest.mark.parametrize(
+    ("exits", "blamed", "headline"),
+    [
+        ([_exit(0), _exit(1, order=1)], None, ""),
+        (  # rank 1 failed first; rank 0's later failure is what rank 1 did to it
+            [_exit(0, 1, 1, "failed"), _exit(1, 1, 0, "failed", report="E   ValueError: x")],
+            1,
+            "rank 1 of 2 failed (exit status 1); rank 0 failed",
+        ),
+        (
+            [_exit(0, -9, -1, ""), _exit(1, -11, 0, "", found=False, output="Fatal Python error")],
+            1,
+            "rank 1 of 2 died: killed by SIGSEGV; rank 0 was stopped",
+        ),
+        (
+            [_exit(0, 0, 0), _exit(1, 3, 1, "passed")],
+            1,
+            "rank 1 of 2 passed its test but ended with exit status 3; rank 0 passed",
+        ),
+        (
+            [_exit(0, 4, 0, "", found=False), _exit(1, -9, -1, "")],
+            0,
+            "rank 0 of 2 did not run t.py::test (exit status 4); rank 1 was stopped",
+        ),
+        (
+            [_exit(0, -9, -1, "", timed_out=True), _exit(1, 0, 0)],
+            0,
+            "rank 0 of 2 did not finish within 5 s and was stopped (raise --msprobe-rank-timeout or the "
+            "marker's rank_timeout=); rank 1 passed",
+        ),
+    ],
+)
+def test_rank_failure_blames_the_first_rank_to_fail(
+    exits: list[RankExit], blamed: int | None, headline: str
+) -> None:
+    failure = rank_failure(exits, "t.py::test", 5.0)
+    if blamed is None:
+        assert failure is None
+        return
+    assert failure is not None
+    assert failure[0] == blamed
+    assert failure[1].splitlines()[0] == headline
+
+
+def test_a_skip_on_any_rank_skips_the_test() -> None:
+    assert rank_skip([_exit(0), _exit(1, outcome="skipped", report="Skipped: no GPU")]) == "rank 1: no GPU"
+    assert rank_skip([_exit(0), _exit(1)]) is None
