@@ -9,10 +9,16 @@ limit) is a FAILED test from the call phase. A baseline that cannot be used or w
 verdict: it is an ERROR, from the set-up when the baseline's JSON files are broken, from the call phase when the
 problem shows only during the compare (a truncated tensor file) or the regeneration (a read-only folder); those
 call reports are counted as errors by :func:`pytest_report_teststatus`.
+
+A test marked ``world_size=N`` (N > 1) runs its body in N rank processes (:mod:`.ranks`): this process, the
+launcher, starts them in place of the body (:func:`pytest_pyfunc_call`), fails the test with the first rank that
+failed, and then compares all ranks' dumps as one test. Each rank is a pytest process of its own on the same test,
+told its part by the hidden option ``--msprobe-rank-spec``.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -23,6 +29,7 @@ from pytest_msprobe.errors import BaselineError, MsprobeError
 from pytest_msprobe.settings import INI_KEYS, SessionSettings, resolve_session, resolve_test
 
 SESSION_KEY = pytest.StashKey[SessionSettings]()
+RANK_KEY = pytest.StashKey[Any]()  # in a rank process: its ranks.RankProcess
 RUN_KEY = pytest.StashKey[Any]()  # the item's MsprobeRun
 OUTCOME_KEY = pytest.StashKey[Any]()  # the item's runner.Outcome
 VERDICT = "msprobe_verdict"  # user property: passed, failed, missing, regenerated or error
@@ -73,6 +80,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="keep the dumps of passing tests and regenerated baselines; by default only those of tests that "
         "fail or error stay in --msprobe-output (ini: msprobe_keep_dumps)",
     )
+    group.addoption(
+        "--msprobe-rank-timeout",
+        dest="msprobe_rank_timeout",
+        metavar="SECONDS",
+        help="stop the rank processes of a multi-rank test (marker world_size=N) that have not finished after "
+        "SECONDS, start-up included, and fail the test (default: 600; ini: msprobe_rank_timeout; marker: "
+        "rank_timeout=)",
+    )
+    group.addoption("--msprobe-rank-spec", dest="msprobe_rank_spec", help=argparse.SUPPRESS)
     add_threshold_options(group.addoption, prefix="msprobe-")
     for key, text in INI_KEYS.items():
         if key in _LIST_INI:
@@ -98,6 +114,12 @@ def pytest_configure(config: pytest.Config) -> None:
             Path(config.invocation_params.dir),
             _ini_dir(config),
         )
+        spec = config.getoption("msprobe_rank_spec", None)
+        if spec is not None:
+            from pytest_msprobe.ranks import RankProcess
+
+            config.stash[RANK_KEY] = RankProcess.from_option(spec)
+            config.pluginmanager.register(config.stash[RANK_KEY], "msprobe-rank")
     except MsprobeError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.pluginmanager.register(_Summary(config.stash[SESSION_KEY]), "msprobe-summary")
@@ -117,11 +139,18 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
                     train_one_step(model, x, y)
 
     Run with ``--msprobe-baseline=DIR`` to compare (``--msprobe-regen-baseline`` writes the baselines).
+
+    With ``@pytest.mark.msprobe(world_size=2)`` the body runs in two rank processes, each in the process group
+    (gloo on the CPU, nccl on CUDA, hccl on the NPU): ``msprobe.rank``, ``msprobe.world_size``, and
+    ``msprobe.device`` is the rank's own (``cuda:LOCAL_RANK``). Wrap the model in DDP as usual.
     """
     from pytest_msprobe.device import select_device
+    from pytest_msprobe.ranks import check_launch
     from pytest_msprobe.runner import MsprobeRun
 
     config = request.config
+    rank_process = config.stash.get(RANK_KEY, None)
+    joined = False
     marker = request.node.get_closest_marker("msprobe")
     try:
         if marker is not None and marker.args:
@@ -134,17 +163,61 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
             request.node.nodeid,
         )
         session = config.stash[SESSION_KEY]
-        run = MsprobeRun(request.node.nodeid, session, settings, select_device(session.device))
+        device = select_device(session.device)
+        nodeid = request.node.nodeid
+        if rank_process is not None:
+            device, joined = rank_process.join(device), True
+            spec = rank_process.spec
+            run = MsprobeRun(
+                nodeid,
+                session,
+                settings,
+                device,
+                backend=spec.backend,
+                rank=rank_process.rank,
+                dump_dir=Path(spec.dump_dir),
+            )
+        else:
+            ws = settings.world_size
+            backend = check_launch(ws, settings.backend, device, nodeid) if ws > 1 else None
+            run = MsprobeRun(nodeid, session, settings, device, backend=backend)
     except MsprobeError as exc:
         problem: str | None = str(exc)
     else:
         problem = None
     if problem is not None:  # failed outside the except block: no chained traceback in the report
+        if joined and rank_process is not None:
+            rank_process.leave()
         request.node.user_properties.append((VERDICT, "error"))
         pytest.fail(f"msprobe: {problem}", pytrace=False)
     request.node.stash[RUN_KEY] = run
     yield run
-    run.close()  # no hooks left behind (also when the body raised); deterministic switches put back
+    try:
+        run.close()  # no hooks left behind (also when the body raised); deterministic switches put back
+    finally:
+        if rank_process is not None:
+            rank_process.leave()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """A multi-rank test's body runs in its rank processes: here they are started in its place and waited for."""
+    run = pyfuncitem.stash.get(RUN_KEY, None)
+    if run is None or run.world_size == 1 or run.rank_process:
+        return None
+    from pytest_msprobe.ranks import launch, rank_failure, rank_skip
+
+    timeout = run.settings.rank_timeout
+    exits = launch(pyfuncitem, run.world_size, run.backend, timeout, run.ranks_dir, run.dump_dir)
+    failure = rank_failure(exits, pyfuncitem.nodeid, timeout)
+    if failure is not None:
+        rank, message = failure
+        pyfuncitem.user_properties.append(("msprobe_failed_rank", rank))
+        pytest.fail(f"msprobe: {message}", pytrace=False)
+    reason = rank_skip(exits)
+    if reason is not None:  # reported at the test, as a skip marker's is, not at this hook
+        raise pytest.skip.Exception(reason, _use_item_location=True)
+    return True
 
 
 @pytest.hookimpl(wrapper=True)
@@ -176,6 +249,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     fd = outcome.result.first_divergence if outcome.result is not None else None
     item.user_properties.append((VERDICT, outcome.kind))
     item.user_properties.append(("msprobe_first_divergence", fd.api if fd is not None else ""))
+    if fd is not None and fd.rank is not None:  # a multi-rank dump: the rank the error entered on
+        item.user_properties.append(("msprobe_first_divergence_rank", fd.rank))
     if outcome.baseline is not None:
         item.user_properties.append(("msprobe_baseline", str(outcome.baseline)))
     if outcome.kind in (FAILED, MISSING):
@@ -220,6 +295,8 @@ class _Summary:
         props = dict(report.user_properties)
         if VERDICT in props and (report.when == "call" or (report.when == "setup" and report.failed)):
             detail = props.get("msprobe_first_divergence") or props.get("msprobe_baseline", "")
+            if props.get("msprobe_first_divergence") and "msprobe_first_divergence_rank" in props:
+                detail = f"{detail} on rank {props['msprobe_first_divergence_rank']}"
             self.lines.append((report.nodeid, str(props[VERDICT]), str(detail)))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:

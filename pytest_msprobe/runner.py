@@ -140,11 +140,24 @@ class MsprobeRun:
                 train_one_step(...)
 
     The seed is set (``seed_all(seed, mode=True)``) before the test body runs, so model initialisation is the
-    same on every device.
+    same on every device, and on every rank of a multi-rank test (``rank``, ``world_size``): data that should
+    differ per rank is the test's to make so.
+
+    A test of ``world_size`` N > 1 has N + 1 runs: the launcher's, which never runs the body but regenerates or
+    compares all ranks' dumps at once (:meth:`finish`), and one per rank process (``rank`` given), which dumps
+    ``step{N}/rank{R}/`` into the launcher's ``dump_dir`` and leaves the baseline alone.
     """
 
     def __init__(
-        self, nodeid: str, session: SessionSettings, test: TestSettings, device: torch.device
+        self,
+        nodeid: str,
+        session: SessionSettings,
+        test: TestSettings,
+        device: torch.device,
+        *,
+        backend: str | None = None,
+        rank: int | None = None,
+        dump_dir: Path | None = None,
     ) -> None:
         from pytest_msprobe.dump.determinism import seed_all
 
@@ -154,13 +167,18 @@ class MsprobeRun:
         self.device = device
         self.seed = test.seed
         self.steps = test.steps
+        self.world_size = test.world_size
+        self.backend = backend  # of the process group, for a multi-rank test
+        self.rank_process = rank is not None
+        self.rank = rank if rank is not None else 0
         folder = baseline_folder(nodeid)
         self.output_dir = session.output / folder
-        self.dump_dir = self.output_dir / "dump"
+        self.dump_dir = dump_dir if dump_dir is not None else self.output_dir / "dump"
         self.report_dir = self.output_dir / "compare"
+        self.ranks_dir = self.output_dir / "ranks"  # the rank processes' logs and results
         self.store = BaselineStore(session.baseline) if session.baseline is not None else None
         self.baseline_dir = self.store.path_for(nodeid) if self.store is not None else None
-        if self.store is not None and not session.regen:
+        if self.store is not None and not session.regen and not self.rank_process:
             with self.store.reading(nodeid) as folder:
                 if is_dump_root(folder):
                     try:
@@ -171,8 +189,8 @@ class MsprobeRun:
         if session.active:
             from pytest_msprobe import PrecisionDebugger
 
-            # a rerun of the same test starts from an empty dump folder
-            shutil.rmtree(self.output_dir, ignore_errors=True)
+            if not self.rank_process:  # a rerun starts from an empty dump folder; ranks share the launcher's
+                shutil.rmtree(self.output_dir, ignore_errors=True)
             md5 = test.task == "md5"  # msprobe's form: task statistics with summary_mode md5
             self.debugger = PrecisionDebugger(
                 dump_path=str(self.dump_dir),
@@ -224,7 +242,10 @@ class MsprobeRun:
             steps=list(self.steps),
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             python=platform.python_version(),
-            extra={"thresholds": self.settings.thresholds.to_dict()},
+            extra={
+                "thresholds": self.settings.thresholds.to_dict(),
+                **({"world_size": self.world_size, "backend": self.backend} if self.world_size > 1 else {}),
+            },
         )
 
     def close(self) -> None:
@@ -241,7 +262,12 @@ class MsprobeRun:
         test), :class:`MsprobeError` for the other problems (a failure).
         """
         self.debugger.close()
-        if not self.active or self.store is None or self.baseline_dir is None:
+        # a rank process only dumps: its launcher regenerates or compares every rank's dump
+        if not self.active or self.rank_process or self.store is None or self.baseline_dir is None:
+            if self.world_size > 1 and not self.rank_process:  # nothing to compare: the ranks' logs served
+                shutil.rmtree(self.ranks_dir, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    self.output_dir.rmdir()
             return Outcome(INACTIVE)
         if not is_dump_root(self.dump_dir):
             raise ConfigError(
@@ -281,6 +307,7 @@ class MsprobeRun:
         if self.session.keep_dumps:
             return
         shutil.rmtree(self.dump_dir, ignore_errors=True)
+        shutil.rmtree(self.ranks_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.output_dir.rmdir()  # only when empty: the compare reports stay
 

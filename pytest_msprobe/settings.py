@@ -1,7 +1,7 @@
 """Settings of a pytest-msprobe run, resolved in one place: command line > marker > ini > default.
 
 Session settings (where baselines and outputs live, whether to regenerate, which device) come from the command
-line or the ini file. Per-test settings (task, level, steps, seed, thresholds) come from the test's
+line or the ini file. Per-test settings (task, level, steps, seed, thresholds, ranks) come from the test's
 ``@pytest.mark.msprobe(...)`` marker, with ini defaults below it and the threshold options of the command line
 above it. Every value is validated here; a bad one raises ConfigError quoting the value and where it was given.
 This module does not import pytest: the plugin hands it getters.
@@ -24,6 +24,9 @@ TASKS = ("statistics", "tensor", "md5")
 LEVELS = ("L0", "L1", "mix")
 DEFAULT_TASK, DEFAULT_LEVEL, DEFAULT_STEPS, DEFAULT_SEED = "statistics", "L1", (0, 1), 1234
 DEFAULT_OUTPUT = "msprobe-output"
+# seconds the rank processes of a multi-rank test may take, start-up included: a collective that one rank never
+# joins hangs the others for good, and a CI job should fail long before its own limit kills everything
+DEFAULT_RANK_TIMEOUT = 600.0
 
 # threshold settings: option destination (without prefix) -> what it is, for ini help texts
 THRESHOLD_SETTINGS = {
@@ -37,7 +40,18 @@ THRESHOLD_SETTINGS = {
     "thresholds": "JSON file of thresholds",
 }
 MARKER_KEYS = frozenset(
-    {"task", "level", "steps", "seed", "msprobe_rule", "max_dump_size", *THRESHOLD_SETTINGS}
+    {
+        "task",
+        "level",
+        "steps",
+        "seed",
+        "msprobe_rule",
+        "max_dump_size",
+        "world_size",
+        "backend",
+        "rank_timeout",
+        *THRESHOLD_SETTINGS,
+    }
 )
 
 # ini keys (all strings) -> help; the plugin registers them
@@ -52,6 +66,8 @@ INI_KEYS = {
     "msprobe_seed": f"default seed of msprobe tests (default: {DEFAULT_SEED})",
     "msprobe_max_dump_size": "most a test's tensor files may take, e.g. 500MB or 2GiB (--msprobe-max-dump-size)",
     "msprobe_keep_dumps": "true: keep the dumps of passing tests and regenerated baselines (--msprobe-keep-dumps)",
+    "msprobe_rank_timeout": "seconds the rank processes of a multi-rank test may take "
+    f"(--msprobe-rank-timeout; default: {DEFAULT_RANK_TIMEOUT:g})",
     **{f"msprobe_{name}": text for name, text in THRESHOLD_SETTINGS.items()},
 }
 
@@ -83,6 +99,9 @@ class TestSettings:
     seed: int
     thresholds: Thresholds
     max_dump_size: int | None = None  # bytes of tensor files the test's dump may take (None: no limit)
+    world_size: int = 1  # > 1: the test body runs in that many rank processes under torch.distributed
+    backend: str | None = None  # torch.distributed backend of the ranks; None: by device (gloo, nccl, hccl)
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds the rank processes may take, start-up included
 
 
 def _truthy(value: Any, where: str) -> bool:
@@ -129,6 +148,10 @@ def resolve_session(cli: Getter, ini: Getter, invocation_dir: Path, ini_dir: Pat
         parse_size(cli("msprobe_max_dump_size"), "--msprobe-max-dump-size")
     if ini("msprobe_max_dump_size"):
         parse_size(ini("msprobe_max_dump_size"), "ini msprobe_max_dump_size")
+    if cli("msprobe_rank_timeout") is not None:
+        _seconds(cli("msprobe_rank_timeout"), "--msprobe-rank-timeout")
+    if ini("msprobe_rank_timeout"):
+        _seconds(ini("msprobe_rank_timeout"), "ini msprobe_rank_timeout")
     return SessionSettings(
         baseline=baseline, regen=regen, output=output, device=device, keep_dumps=keep_dumps
     )
@@ -165,6 +188,34 @@ def _seed(value: Any, where: str) -> int:
     if not 0 <= seed < 2**32:
         raise ConfigError(f"{where}: seed must be in [0, 2**32), got {value!r}")
     return seed
+
+
+def _world_size(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: world_size must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _backend(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(
+            f"{where}: backend must be a torch.distributed backend name (gloo, nccl, hccl...), got {value!r}"
+        )
+    return value.strip().lower()
+
+
+def _seconds(value: Any, where: str) -> float:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a number of seconds, got {value!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"{where}: expected a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def resolve_test(
@@ -205,6 +256,17 @@ def resolve_test(
         size_v = (size_v[0], f"{where_marker}: max_dump_size")
     # a marker's max_dump_size=None lifts the ini's limit for that test
     max_dump_size = parse_size(*size_v) if size_v is not None and size_v[0] is not None else None
+    world_size = _world_size(marker["world_size"], where_marker) if "world_size" in marker else 1
+    backend = _backend(marker.get("backend"), where_marker)
+    timeout_cli = cli("msprobe_rank_timeout")
+    timeout_v = (
+        (timeout_cli, "--msprobe-rank-timeout")
+        if timeout_cli is not None
+        else layered("rank_timeout", "msprobe_rank_timeout")
+    )
+    if timeout_v is not None and timeout_v[1] == where_marker:
+        timeout_v = (timeout_v[0], f"{where_marker}: rank_timeout")
+    rank_timeout = _seconds(*timeout_v) if timeout_v is not None else DEFAULT_RANK_TIMEOUT
 
     options: dict[str, Any] = {}
     for name in THRESHOLD_SETTINGS:
@@ -224,4 +286,14 @@ def resolve_test(
         options["no_msprobe_rule"] = True
     elif "msprobe_rule" in marker:
         options["no_msprobe_rule"] = not _truthy(marker["msprobe_rule"], f"{where_marker}: msprobe_rule")
-    return TestSettings(task, level, steps, seed, thresholds_from_options(options), max_dump_size)
+    return TestSettings(
+        task,
+        level,
+        steps,
+        seed,
+        thresholds_from_options(options),
+        max_dump_size,
+        world_size=world_size,
+        backend=backend,
+        rank_timeout=rank_timeout,
+    )

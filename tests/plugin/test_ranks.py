@@ -1,0 +1,356 @@
+"""Multi-rank tests (marker ``world_size=N``): the body runs in N rank processes under torch.distributed (gloo on
+the CPU), the verdict covers every rank, and a rank that fails, raises or hangs fails the test naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.ranks import RankExit, rank_failure, rank_skip, run_processes
+from pytest_msprobe.settings import DEFAULT_RANK_TIMEOUT, resolve_test
+
+BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+
+# A tiny model trained under DDP for two steps, on data that differs per rank; the second F.relu of a forward is
+# the one the fault plugin breaks.
+DDP_TEST = textwrap.dedent(
+    """
+    import os
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
+            self.conv2 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
+            self.fc = nn.Linear(6, 4)
+
+        def forward(self, x):
+            x = F.relu(self.conv(x))
+            x = F.relu(self.conv2(x))
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+    @pytest.mark.msprobe(world_size=2, steps=[0, 1], level="mix")  # the DDP model's modules and its API calls
+    def test_ddp(msprobe):
+        env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+        assert env == {"RANK": str(msprobe.rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(msprobe.rank),
+                       "MASTER_ADDR": "127.0.0.1"}
+        assert (dist.get_rank(), dist.get_world_size(), msprobe.world_size) == (msprobe.rank, 2, 2)
+        # the same seed on every rank: the same first draw
+        drawn = [torch.empty(3) for _ in range(2)]
+        dist.all_gather(drawn, torch.rand(3))
+        assert torch.equal(drawn[0], drawn[1])
+        model = DDP(Net().to(msprobe.device))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(msprobe.rank)  # each rank its own batches
+        for _ in range(2):
+            x = torch.randn(4, 3, 8, 8, generator=g)
+            y = torch.randint(0, 4, (4,), generator=g)
+            with msprobe.step(model):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    """
+)
+
+# the fault plugin of conftest.py, on rank 1 only
+RANK1_FAULT = textwrap.dedent(
+    """
+    import os
+
+    if os.environ.get("RANK") == "1":
+        from faultplugin import pytest_configure, pytest_unconfigure  # noqa: F401
+    """
+)
+
+BAD_RANKS = textwrap.dedent(
+    """
+    import time
+
+    import pytest
+    import torch.distributed as dist
+
+
+    @pytest.mark.msprobe(world_size=2)
+    def test_raises(msprobe):
+        print(f"rank {msprobe.rank} starts")
+        if msprobe.rank == 1:
+            raise ValueError("rank one is broken")
+        dist.barrier()  # never joined by rank 1: rank 0 waits here until it is stopped
+
+
+    @pytest.mark.msprobe(world_size=2)
+    def test_hangs(msprobe):
+        if msprobe.rank == 1:
+            time.sleep(600)
+        dist.barrier()
+    """
+)
+
+
+def _children() -> list[int]:
+    """Processes whose parent is this one (Linux /proc): a rank left behind would be one."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(entry.name))
+    return found
+
+
+def _properties(xml: Path) -> dict[str, str]:
+    case = ET.parse(xml).getroot().find(".//testcase")
+    assert case is not None
+    return {p.get("name", ""): p.get("value", "") for p in case.iter("property")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+def test_two_gloo_ranks_regen_pass_and_a_fault_on_rank_one_names_rank_one(
+    pytester: pytest.Pytester, fault_plugin: str
+) -> None:
+    pytester.makepyfile(test_ddp=DDP_TEST, rank1fault=RANK1_FAULT)
+    regen = pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--msprobe-regen-baseline")
+    regen.assert_outcomes(passed=1)
+    baseline = pytester.path / "bl" / "test_ddp" / "test_ddp"
+    dumps = sorted(str(p.parent.relative_to(baseline)) for p in baseline.glob("step*/rank*/dump.json"))
+    assert dumps == ["step0/rank0", "step0/rank1", "step1/rank0", "step1/rank1"]
+    manifest = json.loads((baseline / "msprobe_manifest.json").read_text())
+    assert (manifest["extra"]["world_size"], manifest["extra"]["backend"]) == (2, "gloo")
+    ranks = [json.loads((baseline / f"step0/rank{r}/dump.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["data"] != ranks[1]["data"]  # each rank its own batches
+    assert all("Module.module.conv2.Conv2d.forward.0" in r["data"] for r in ranks)  # inside the DDP wrapper
+
+    clean = pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--junitxml=clean.xml")
+    clean.assert_outcomes(passed=1)
+    assert "msprobe_first_divergence_rank" not in _properties(pytester.path / "clean.xml")
+
+    faulty = pytester.runpytest(*BASE, "-p", "rank1fault", "--msprobe-baseline=bl", "--junitxml=fault.xml")
+    faulty.assert_outcomes(failed=1)
+    faulty.stdout.fnmatch_lines(
+        [
+            "first divergence: Functional.relu.1.forward (step 0, rank 1), row *",
+            "*while its inputs match the baseline*",
+            "FAILED*test_ddp.py::test_ddp*(first divergence Functional.relu.1.forward on rank 1)",
+        ]
+    )
+    props = _properties(pytester.path / "fault.xml")
+    assert (props["msprobe_first_divergence"], props["msprobe_first_divergence_rank"]) == (
+        "Functional.relu.1.forward",
+        "1",
+    )
+    kept = pytester.path / "msprobe-output" / "test_ddp" / "test_ddp"
+    assert (kept / "dump" / "step0" / "rank1" / "dump.json").is_file()  # a failure keeps every rank's dump
+    assert (kept / "ranks" / "rank1.log").is_file()
+    assert _children() == []
+
+
+XDIST = textwrap.dedent(
+    """
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+
+    @pytest.mark.msprobe(world_size=2)
+    def test_sums(msprobe):
+        total = torch.tensor([float(msprobe.rank + 1)])
+        dist.all_reduce(total)
+        assert total.item() == 3.0
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
+def test_multi_rank_tests_under_xdist_get_their_own_process_groups(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_sums=XDIST, test_bad=BAD_RANKS)
+    # two workers, each launching two ranks at the same time: a shared port or folder would break one of them
+    result = pytester.runpytest_subprocess(*BASE, "-n", "2", "-k", "sums or raises")
+    result.assert_outcomes(passed=1, failed=1)
+    # rank 0 waits in a barrier rank 1 never joins: it is stopped as soon as rank 1 fails, not at the timeout
+    result.stdout.fnmatch_lines(
+        [
+            "msprobe: rank 1 of 2 failed (exit status 1); rank 0 was stopped",
+            '*raise ValueError("rank one is broken")',
+            "*E*ValueError: rank one is broken",
+            "*test_bad.py:11: ValueError",
+        ]
+    )
+    assert "did not finish" not in result.stdout.str()
+    output = pytester.path / "msprobe-output"
+    assert not (output / "test_sums" / "test_sums").exists()  # nothing compared: the ranks' logs are gone
+    assert (output / "test_bad" / "test_raises" / "ranks" / "rank1.log").is_file()  # a failure's are kept
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+def test_a_hanging_rank_is_stopped_at_the_timeout_with_every_rank_stack(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_bad=BAD_RANKS)
+    result = pytester.runpytest(*BASE, "-k", "hangs", "--msprobe-rank-timeout=10")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "msprobe: ranks 0, 1 of 2 did not finish within 10 s and were stopped (raise --msprobe-rank-timeout*",
+            "rank 0's Python stacks when stopped:",
+            "*in barrier",
+            "*test_bad.py*, line 19 in test_hangs",
+            "rank 1's Python stacks when stopped:",
+            "*test_bad.py*, line 18 in test_hangs",
+        ]
+    )
+    assert "_pytest" not in result.stdout.str()  # the stacks show the test's frames, not pytest's
+    assert _children() == []
+
+
+@pytest.mark.parametrize(
+    ("marker", "message"),
+    [
+        ("world_size=0", "*world_size must be an integer >= 1, got 0"),
+        ("world_size=2, backend='nope'", "*torch.distributed backend 'nope' is not available here*"),
+        ("world_size=2, rank_timeout=-1", "*rank_timeout: expected a positive number of seconds, got -1"),
+    ],
+)
+def test_bad_multi_rank_settings_are_errors_naming_the_value(
+    pytester: pytest.Pytester, marker: str, message: str
+) -> None:
+    pytester.makepyfile(f"import pytest\n\n@pytest.mark.msprobe({marker})\ndef test_x(msprobe):\n    pass\n")
+    result = pytester.runpytest(*BASE)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"msprobe: {message}"])
+
+
+def test_rank_timeout_resolves_command_line_over_marker_over_ini(tmp_path: Path) -> None:
+    def resolve(cli: Any, marker: dict[str, Any], ini: str) -> float:
+        options = {"msprobe_rank_timeout": cli}
+        ini_values = {"msprobe_rank_timeout": ini}
+        return resolve_test(options.get, marker, lambda k: ini_values.get(k, ""), tmp_path).rank_timeout
+
+    assert resolve(None, {}, "") == DEFAULT_RANK_TIMEOUT
+    assert resolve(None, {}, "30") == 30.0
+    assert resolve(None, {"rank_timeout": 5}, "30") == 5.0
+    assert resolve("7.5", {"rank_timeout": 5}, "30") == 7.5
+    with pytest.raises(
+        ConfigError, match=r"--msprobe-rank-timeout: expected a number of seconds, got 'soon'"
+    ):
+        resolve("soon", {}, "")
+    settings = resolve_test(lambda k: None, {"world_size": 4, "backend": "GLOO"}, lambda k: "", tmp_path)
+    assert (settings.world_size, settings.backend) == (4, "gloo")
+
+
+def _sleeper(seconds: float, status: int = 0) -> list[str]:
+    return [sys.executable, "-c", f"import sys, time; time.sleep({seconds}); sys.exit({status})"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="process groups and signals")
+def test_run_processes_stops_the_others_when_one_fails(tmp_path: Path) -> None:
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    start = time.monotonic()
+    ends = run_processes([_sleeper(0, 3), _sleeper(60)], [dict(os.environ)] * 2, tmp_path, logs, 60)
+    assert time.monotonic() - start < 30  # not the other's 60 s
+    assert (ends[0].status, ends[0].order, ends[0].timed_out) == (3, 0, False)
+    assert (ends[1].status, ends[1].order, ends[1].timed_out) == (-signal.SIGKILL, -1, False)
+    assert _children() == []
+
+
+@pytest.mark.skipif(os.name != "posix", reason="process groups and signals")
+def test_run_processes_reaps_every_process_on_keyboard_interrupt(tmp_path: Path) -> None:
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_processes([_sleeper(60), _sleeper(60)], [dict(os.environ)] * 2, tmp_path, logs, 60)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert _children() == []
+
+
+def _exit(rank: int, status: int = 0, order: int = 0, outcome: str = "passed", **more: Any) -> RankExit:
+    fields: dict[str, Any] = dict(
+        rank=rank,
+        status=status,
+        stopped=order < 0,
+        timed_out=False,
+        order=order,
+        found=True,
+        outcome=outcome,
+        phase="call",
+        report="",
+        output="",
+        stack="",
+    )
+    return RankExit(**{**fields, **more})
+
+
+@pytest.mark.parametrize(
+    ("exits", "blamed", "headline"),
+    [
+        ([_exit(0), _exit(1, order=1)], None, ""),
+        (  # rank 1 failed first; rank 0's later failure is what rank 1 did to it
+            [_exit(0, 1, 1, "failed"), _exit(1, 1, 0, "failed", report="E   ValueError: x")],
+            1,
+            "rank 1 of 2 failed (exit status 1); rank 0 failed",
+        ),
+        (
+            [_exit(0, -9, -1, ""), _exit(1, -11, 0, "", found=False, output="Fatal Python error")],
+            1,
+            "rank 1 of 2 died: killed by SIGSEGV; rank 0 was stopped",
+        ),
+        (
+            [_exit(0, 0, 0), _exit(1, 3, 1, "passed")],
+            1,
+            "rank 1 of 2 passed its test but ended with exit status 3; rank 0 passed",
+        ),
+        (
+            [_exit(0, 4, 0, "", found=False), _exit(1, -9, -1, "")],
+            0,
+            "rank 0 of 2 did not run t.py::test (exit status 4); rank 1 was stopped",
+        ),
+        (
+            [_exit(0, -9, -1, "", timed_out=True), _exit(1, 0, 0)],
+            0,
+            "rank 0 of 2 did not finish within 5 s and was stopped (raise --msprobe-rank-timeout or the "
+            "marker's rank_timeout=); rank 1 passed",
+        ),
+    ],
+)
+def test_rank_failure_blames_the_first_rank_to_fail(
+    exits: list[RankExit], blamed: int | None, headline: str
+) -> None:
+    failure = rank_failure(exits, "t.py::test", 5.0)
+    if blamed is None:
+        assert failure is None
+        return
+    assert failure is not None
+    assert failure[0] == blamed
+    assert failure[1].splitlines()[0] == headline
+
+
+def test_a_skip_on_any_rank_skips_the_test() -> None:
+    assert rank_skip([_exit(0), _exit(1, outcome="skipped", report="Skipped: no GPU")]) == "rank 1: no GPU"
+    assert rank_skip([_exit(0), _exit(1)]) is None
