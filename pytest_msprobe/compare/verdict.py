@@ -425,6 +425,12 @@ def first_divergence(
     if not inherited:
         return None
     i = inherited[0]
+    if not any(rows[j].role != OUTPUT and rows[j].status == ERROR for j in apis[i].rows):
+        # a collective whose own inputs match: the error came in with another rank's input to it
+        for j in sorted(peers.get(i, ()), key=lambda j: apis[j].order):
+            if apis[j].input_breach:
+                i = j
+                break
     api = apis[i]
     in_rows = [j for j in api.rows if rows[j].role != OUTPUT and rows[j].status == ERROR]
     if not in_rows:  # (its inputs are unknown)
