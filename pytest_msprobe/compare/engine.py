@@ -26,7 +26,7 @@ from pytest_msprobe.compare.load import (
     read_stack,
     tensor_path,
 )
-from pytest_msprobe.compare.metrics import TensorMetrics, tensor_metrics
+from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics, tensor_metrics
 from pytest_msprobe.compare.ranks import CallPlace, collective_peers, execution_order
 from pytest_msprobe.compare.result import (
     ERROR,
@@ -172,6 +172,11 @@ def _compare_pair(task: _PairTask) -> _Builder | tuple[str, str]:
     return builder
 
 
+def _compare_packed(task: _PairTask) -> _Packed | tuple[str, str]:
+    part = _compare_pair(task)
+    return part if isinstance(part, tuple) else _pack(part)
+
+
 def _compare_pairs(tasks: list[_PairTask], jobs: int) -> list[_Builder | tuple[str, str]]:
     """Every pair compared, in the order of ``tasks``: in this process for one pair or one job (a single pair
     then spreads its tensor files over ``jobs`` processes), else one pair at a time per worker process, so
@@ -185,7 +190,82 @@ def _compare_pairs(tasks: list[_PairTask], jobs: int) -> list[_Builder | tuple[s
                 break  # unusable input: stop at the first bad pair
         return out
     with _pool(min(jobs, len(tasks))) as pool:
-        return list(pool.map(_compare_pair, tasks))
+        return [
+            part if isinstance(part, tuple) else _unpack(part) for part in pool.map(_compare_packed, tasks)
+        ]
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A builder of one dump pair as plain tuples, for the way back from a worker: pickle moves tuples of
+    numbers and strings at C speed, dataclasses (a Leaf, a Check, metrics per row) through Python code, which
+    cost as much as the compare itself."""
+
+    mode: str | None
+    pairs: list[DumpPair]
+    drafts: list[tuple[Any, ...]]
+    apis: list[tuple[Any, ...]]
+    feeds: dict[int, list[int]]
+    opaque: set[int]
+    structural: dict[int, int]
+
+
+def _names(cls: Any) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _fields(obj: Any, names: tuple[str, ...]) -> tuple[Any, ...] | None:
+    return None if obj is None else tuple(getattr(obj, n) for n in names)
+
+
+def _pack(builder: _Builder) -> _Packed:
+    stat_fields, tensor_fields, api_fields = _names(StatMetrics), _names(TensorMetrics), _names(_ApiDraft)
+    drafts = []
+    for d in builder.drafts:
+        c = d.check
+        assert c is not None
+        drafts.append(
+            (
+                d.row,
+                d.bench_row,
+                d.api_index,
+                d.role,
+                None if d.target is None else tuple(d.target),
+                None if d.baseline is None else tuple(d.baseline),
+                d.skip,
+                d.api,
+                (c.status, c.error, c.allowed, c.reason, c.msprobe_accuracy),
+                _fields(c.stat, stat_fields),
+                _fields(c.tensor, tensor_fields),
+            )
+        )
+    apis = [tuple(getattr(a, n) for n in api_fields) for a in builder.apis]
+    return _Packed(
+        builder.mode, builder.pairs, drafts, apis, builder.feeds, builder.opaque, builder.structural
+    )
+
+
+def _unpack(packed: _Packed) -> _Builder:
+    builder = _Builder(Thresholds(), "auto", mode=packed.mode, pairs=packed.pairs)
+    leaf = Leaf._make
+    for row, bench_row, api_index, role, t, b, skip, api, c, stat, tensor in packed.drafts:
+        check = Check(
+            c[0],
+            c[1],
+            c[2],
+            c[3],
+            None if stat is None else StatMetrics(*stat),
+            None if tensor is None else TensorMetrics(*tensor),
+            c[4],
+        )
+        target = None if t is None else leaf(t)
+        baseline = None if b is None else leaf(b)
+        builder.drafts.append(
+            _Draft(row, bench_row, api_index, role, target, baseline, check, None, skip, api)
+        )
+    builder.apis = [_ApiDraft(*a) for a in packed.apis]
+    builder.feeds, builder.opaque, builder.structural = packed.feeds, packed.opaque, packed.structural
+    return builder
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
