@@ -35,6 +35,22 @@ def rank_summaries(result: CompareResult) -> list[dict[str, Any]]:
     return out
 
 
+def rank_line(result: CompareResult) -> str | None:
+    """``by rank: rank 0: 2 of 40 calls breach, first ...; rank 1: passed`` for a compare of several ranks."""
+    per_rank = rank_summaries(result)
+    if len(per_rank) < 2:
+        return None
+    return "by rank: " + "; ".join(
+        f"rank {r['rank']}: "
+        + (
+            f"{r['apis_error']} of {r['apis']} calls breach, first {r['first_error']}"
+            if r["apis_error"]
+            else "passed"
+        )
+        for r in per_rank
+    )
+
+
 def summary_dict(result: CompareResult) -> dict[str, Any]:
     """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
     [the baseline's steps/ranks the target lacks], "ranks": [per rank: rank, passed, apis, apis_error,
@@ -81,20 +97,9 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         where = f"step {fd.step}, rank {fd.rank}" if fd.step is not None else f"rank {fd.rank}"
         lines.append(f"first divergence: {fd.api} ({where}), row {fd.row}")
         lines.append(f"  {fd.reason}")
-    per_rank = rank_summaries(result)
-    if len(per_rank) > 1:
-        lines.append(
-            "by rank: "
-            + "; ".join(
-                f"rank {r['rank']}: "
-                + (
-                    f"{r['apis_error']} of {r['apis']} calls breach, first {r['first_error']}"
-                    if r["apis_error"]
-                    else "passed"
-                )
-                for r in per_rank
-            )
-        )
+    by_rank = rank_line(result)
+    if by_rank:
+        lines.append(by_rank)
     flagged = [r for r in result.rows if r.status == "error" and r.error is not None]
     flagged.sort(key=lambda r: -(r.error or 0.0) / (r.allowed or 1e-300))
     if flagged:

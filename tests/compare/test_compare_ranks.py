@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from compare_helpers import tensor, write_dump
 
@@ -21,6 +22,7 @@ from pytest_msprobe.cli import main
 from pytest_msprobe.compare.ranks import CallPlace, collective_op, collective_peers, execution_order
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.report import console_summary, summary_dict, write_reports
+from pytest_msprobe.report.failure import failure_message
 from pytest_msprobe.report.html import error_plot_png, plot_title
 from pytest_msprobe.report.table import api_sheet
 
@@ -270,6 +272,10 @@ def test_reports_name_the_rank_where_the_error_enters(tmp_path: Path) -> None:
     listed = [(row[2], row[3]) for row in sheet.rows]
     assert listed.index((1, RELU)) < listed.index((0, ALL_REDUCE))
     assert plot_title(result) == "statistics compare: FAILED, ranks 0, 1; first divergence on rank 1"
+    message = failure_message(result, paths, tmp_path / "b", "pytest ... --msprobe-regen-baseline")
+    assert message.splitlines()[0].endswith("statistics mode, steps 0, ranks 0, 1)")
+    assert message.splitlines()[1] == f"first divergence: {RELU} (step 0, rank 1), row {RELU}.output.0"
+    assert message.splitlines()[3].startswith("by rank: rank 0: 2 of 4 calls breach")
     assert error_plot_png(result) is not None
 
 
@@ -278,7 +284,52 @@ def test_a_single_rank_report_has_no_rank_lines(tmp_path: Path) -> None:
     target = make_run(tmp_path / "t", ranks=1, relu_fault={0: 1.01})
     result = compare(target, baseline)
     assert "by rank" not in console_summary(result)
+    assert "by rank" not in failure_message(result, {}, tmp_path / "b", "regen")
     assert plot_title(result) == "statistics compare: FAILED"
     assert (
         "The error enters on rank" not in Path(write_reports(result, tmp_path / "o")["advisor"]).read_text()
     )
+
+
+def _tensor_rank(folder: Path, arrays: dict[str, dict[str, list[np.ndarray]]]) -> None:
+    """A tensor dump of ``{api: {"input_args"/"output": [array, ...]}}``, each array saved as .npy."""
+    (folder / "dump_tensor_data").mkdir(parents=True)
+    data: dict[str, Any] = {}
+    for api, parts in arrays.items():
+        entry: dict[str, Any] = {"input_args": [], "input_kwargs": {}, "output": []}
+        for key, values in parts.items():
+            role = "input" if key == "input_args" else "output"
+            for n, a in enumerate(values):
+                name = f"{api}.{role}.{n}.npy"
+                np.save(folder / "dump_tensor_data" / name, a)
+                stats = (float(a.max()), float(a.min()), float(a.mean()), float(np.linalg.norm(a)))
+                entry[key].append(
+                    {**tensor(list(a.shape), stats[1], stats[0], stats[2], stats[3]), "data_name": name}
+                )
+        data[api] = entry
+    write_dump(folder, data, task="tensor")
+
+
+def test_tensor_dumps_of_two_ranks_give_the_same_result_whatever_the_jobs(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    x = {r: rng.standard_normal((64, 64)).astype(np.float32) for r in range(2)}
+    for side, fault in (("b", 0.0), ("t", 1e-2)):
+        relu = {r: np.maximum(x[r], 0) for r in range(2)}
+        relu[1] = (relu[1] * (1 + fault * rng.standard_normal(relu[1].shape))).astype(np.float32)
+        total = relu[0] + relu[1]
+        for r in range(2):
+            _tensor_rank(
+                tmp_path / side / "step0" / f"rank{r}",
+                {
+                    RELU: {"input_args": [x[r]], "output": [relu[r]]},
+                    ALL_REDUCE: {"input_args": [relu[r]], "output": [total]},
+                },
+            )
+    one = compare(tmp_path / "t", tmp_path / "b", jobs=1)
+    two = compare(tmp_path / "t", tmp_path / "b", jobs=2)
+    assert one.mode == "tensor" and all(r.tensor is not None for r in one.rows)
+    assert one.rows == two.rows and one.apis == two.apis
+    assert one.first_divergence == two.first_divergence
+    assert one.first_divergence is not None
+    assert (one.first_divergence.api, one.first_divergence.rank) == (RELU, 1)
+    assert by_name(one, ALL_REDUCE, 0).output_breach
