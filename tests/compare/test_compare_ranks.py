@@ -18,9 +18,10 @@ import pytest
 from compare_helpers import tensor, write_dump
 
 from pytest_msprobe import compare
-from pytest_msprobe.cli import main
+from pytest_msprobe.cli import build_parser, main
+from pytest_msprobe.compare.engine import default_jobs
 from pytest_msprobe.compare.ranks import CallPlace, collective_op, collective_peers, execution_order
-from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.errors import ConfigError, DumpFormatError
 from pytest_msprobe.report import console_summary, summary_dict, write_reports
 from pytest_msprobe.report.failure import failure_message
 from pytest_msprobe.report.html import error_plot_png, plot_title
@@ -333,3 +334,11 @@ def test_tensor_dumps_of_two_ranks_give_the_same_result_whatever_the_jobs(tmp_pa
     assert one.first_divergence is not None
     assert (one.first_divergence.api, one.first_divergence.rank) == (RELU, 1)
     assert by_name(one, ALL_REDUCE, 0).output_breach
+
+
+def test_jobs_default_to_the_cpus_and_must_be_positive(tmp_path: Path) -> None:
+    baseline = make_run(tmp_path / "b")
+    assert build_parser().parse_args(["compare", "t", "b", "-o", "out"]).jobs is None  # compare's default
+    assert default_jobs() >= 1
+    with pytest.raises(ConfigError, match="jobs must be a whole number >= 1, got 0"):
+        compare(baseline, baseline, jobs=0)
