@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-j",
         "--jobs",
         type=_positive_int,
-        default=1,
+        default=None,
         metavar="N",
-        help="processes reading tensor files (default 1)",
+        help="processes comparing the dump pairs (step, rank) in parallel; a single pair spreads its tensor "
+        "files over them (default: the number of CPUs; 1: all in this process)",
     )
     cmp.add_argument(
         "-hl", "--highlight", action="store_true", help=argparse.SUPPRESS

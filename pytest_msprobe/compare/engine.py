@@ -3,6 +3,7 @@ first divergence. :func:`compare` is the library entry point the CLI and the pyt
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,8 @@ from pytest_msprobe.compare.load import (
     read_stack,
     tensor_path,
 )
-from pytest_msprobe.compare.metrics import TensorMetrics, tensor_metrics
+from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics, tensor_metrics
+from pytest_msprobe.compare.ranks import CallPlace, collective_peers, execution_order
 from pytest_msprobe.compare.result import (
     ERROR,
     PASS,
@@ -62,7 +64,7 @@ def compare(
     thresholds: Thresholds | None = None,
     fuzzy: bool = False,
     mode: str = "auto",
-    jobs: int = 1,
+    jobs: int | None = None,
     stack: bool = False,
 ) -> CompareResult:
     """Compare a target dump with a baseline dump.
@@ -72,8 +74,14 @@ def compare(
     rest compared: one the baseline has and the target lacks fails the compare (the run under test did not do
     all the baseline did: it stopped early, a rank died, its steps changed), one only the target has does not
     (there is nothing to hold it to). ``mode`` is ``auto`` (tensor when both dumps hold tensors, md5 when both
-    hold CRCs, else statistics) or one of those. ``jobs`` > 1 reads tensor files in that many processes.
-    ``stack`` attaches every call's stack (for the xlsx); the first divergence's stack is always attached.
+    hold CRCs, else statistics) or one of those. ``stack`` attaches every call's stack (for the xlsx); the
+    first divergence's stack is always attached.
+
+    ``jobs`` processes (default: the CPUs this process may use) compare the dump pairs (step, rank), each pair
+    whole in one process (parsing, alignment, statistics, tensor metrics); a single pair spreads its tensor
+    files over them instead. The result is the same whatever ``jobs``. Calls are ordered across ranks through
+    the collectives they share (see :mod:`pytest_msprobe.compare.ranks`), so the first divergence is the
+    earliest over all ranks.
 
     Unusable input (a broken or hostile file, an empty dump, no step and rank in common) raises
     :class:`DumpFormatError` naming the file and the problem, before anything could be reported.
@@ -84,18 +92,21 @@ def compare(
     """
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    jobs = default_jobs() if jobs is None else jobs
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be a whole number >= 1, got {jobs!r}")
     thresholds = thresholds or Thresholds()
     t_locs, b_locs = discover(target), discover(baseline)
     pairs, unpaired, missing = _pair_locations(t_locs, b_locs, target, baseline)
     builder = _Builder(thresholds, mode)
-    for t_loc, b_loc in pairs:
-        t_dump, b_dump = read_dump(t_loc), read_dump(b_loc)
-        builder.add(t_dump, b_dump, align(t_dump.entries, b_dump.entries, fuzzy=fuzzy))
-    builder.run_tensor_tasks(jobs)
-    builder.explain_in_place()
-    builder.explain_structural()
-    rows, apis, feeds = builder.finish()
-    divergence = first_divergence(apis, rows, feeds, thresholds.amplification, builder.opaque)
+    for part in _compare_pairs(
+        [_PairTask(t_loc, b_loc, thresholds, mode, fuzzy, 1) for t_loc, b_loc in pairs], jobs
+    ):
+        if isinstance(part, tuple):  # (path, problem): the first unusable input, in pair order
+            raise DumpFormatError(part[0], part[1])
+        builder.merge(part)
+    rows, apis, feeds, peers = builder.finish()
+    divergence = first_divergence(apis, rows, feeds, thresholds.amplification, builder.opaque, peers)
     divergence = structural_divergence(divergence, apis, rows, builder.structural)
     stacks: dict[str, tuple[str, ...]] = {}
     if stack:
@@ -120,6 +131,149 @@ def compare(
         timestamp=datetime.datetime.now().strftime("%Y%m%d%H%M%S"),
         stacks=stacks,
     )
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on (``os.cpu_count()`` where the platform cannot say)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# ------------------------------------------------------------------------------------- dump pairs in parallel
+@dataclass(frozen=True)
+class _PairTask:
+    """One dump pair to compare, everything a worker process needs for it."""
+
+    target: DumpLocation
+    baseline: DumpLocation
+    thresholds: Thresholds
+    mode: str
+    fuzzy: bool
+    jobs: int  # processes for its tensor files
+
+
+def _compare_pair(task: _PairTask) -> _Builder | tuple[str, str]:
+    """Everything of one dump pair that needs no other pair: a builder holding that pair alone, or the
+    (path, problem) of unusable input (an exception's own attributes do not survive pickling)."""
+    try:
+        t_dump, b_dump = read_dump(task.target), read_dump(task.baseline)
+        builder = _Builder(task.thresholds, task.mode)
+        builder.add(t_dump, b_dump, align(t_dump.entries, b_dump.entries, fuzzy=task.fuzzy))
+        builder.run_tensor_tasks(task.jobs)
+    except DumpFormatError as exc:
+        return (exc.path, exc.problem)
+    builder.explain_in_place()
+    builder.explain_structural()
+    for i in builder.tasks:  # done: no need to carry the file names back
+        builder.drafts[i].task = None
+    builder.tasks.clear()
+    return builder
+
+
+def _compare_packed(task: _PairTask) -> _Packed | tuple[str, str]:
+    part = _compare_pair(task)
+    return part if isinstance(part, tuple) else _pack(part)
+
+
+def _compare_pairs(tasks: list[_PairTask], jobs: int) -> list[_Builder | tuple[str, str]]:
+    """Every pair compared, in the order of ``tasks``: in this process for one pair or one job (a single pair
+    then spreads its tensor files over ``jobs`` processes), else one pair at a time per worker process, so
+    that a worker holds one tensor pair in memory."""
+    if jobs <= 1 or len(tasks) < 2:
+        out: list[_Builder | tuple[str, str]] = []
+        for task in tasks:
+            part = _compare_pair(dataclasses.replace(task, jobs=jobs))
+            out.append(part)
+            if isinstance(part, tuple):
+                break  # unusable input: stop at the first bad pair
+        return out
+    with _pool(min(jobs, len(tasks))) as pool:
+        return [
+            part if isinstance(part, tuple) else _unpack(part) for part in pool.map(_compare_packed, tasks)
+        ]
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """A builder of one dump pair as plain tuples, for the way back from a worker: pickle moves tuples of
+    numbers and strings at C speed, dataclasses (a Leaf, a Check, metrics per row) through Python code, which
+    cost as much as the compare itself."""
+
+    mode: str | None
+    pairs: list[DumpPair]
+    drafts: list[tuple[Any, ...]]
+    apis: list[tuple[Any, ...]]
+    feeds: dict[int, list[int]]
+    opaque: set[int]
+    structural: dict[int, int]
+
+
+def _names(cls: Any) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _fields(obj: Any, names: tuple[str, ...]) -> tuple[Any, ...] | None:
+    return None if obj is None else tuple(getattr(obj, n) for n in names)
+
+
+def _pack(builder: _Builder) -> _Packed:
+    stat_fields, tensor_fields, api_fields = _names(StatMetrics), _names(TensorMetrics), _names(_ApiDraft)
+    drafts = []
+    for d in builder.drafts:
+        c = d.check
+        assert c is not None
+        drafts.append(
+            (
+                d.row,
+                d.bench_row,
+                d.api_index,
+                d.role,
+                None if d.target is None else tuple(d.target),
+                None if d.baseline is None else tuple(d.baseline),
+                d.skip,
+                d.api,
+                (c.status, c.error, c.allowed, c.reason, c.msprobe_accuracy),
+                _fields(c.stat, stat_fields),
+                _fields(c.tensor, tensor_fields),
+            )
+        )
+    apis = [tuple(getattr(a, n) for n in api_fields) for a in builder.apis]
+    return _Packed(
+        builder.mode, builder.pairs, drafts, apis, builder.feeds, builder.opaque, builder.structural
+    )
+
+
+def _unpack(packed: _Packed) -> _Builder:
+    builder = _Builder(Thresholds(), "auto", mode=packed.mode, pairs=packed.pairs)
+    leaf = Leaf._make
+    for row, bench_row, api_index, role, t, b, skip, api, c, stat, tensor in packed.drafts:
+        check = Check(
+            c[0],
+            c[1],
+            c[2],
+            c[3],
+            None if stat is None else StatMetrics(*stat),
+            None if tensor is None else TensorMetrics(*tensor),
+            c[4],
+        )
+        target = None if t is None else leaf(t)
+        baseline = None if b is None else leaf(b)
+        builder.drafts.append(
+            _Draft(row, bench_row, api_index, role, target, baseline, check, None, skip, api)
+        )
+    builder.apis = [_ApiDraft(*a) for a in packed.apis]
+    builder.feeds, builder.opaque, builder.structural = packed.feeds, packed.opaque, packed.structural
+    return builder
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    import multiprocessing
+
+    # fork: a worker starts in milliseconds and inherits the imports (never torch: the compare does not need it)
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context(method))
 
 
 def _describe(loc: DumpLocation) -> str:
@@ -205,6 +359,29 @@ class _Builder:
     tasks: list[int] = field(default_factory=list)  # draft indices waiting for tensor metrics
     opaque: set[int] = field(default_factory=set)  # calls whose inputs are unknown
     structural: dict[int, int] = field(default_factory=dict)  # call -> the one-side call that fed it
+
+    def merge(self, part: _Builder) -> None:
+        """Append the pairs of ``part`` (a builder of later dump pairs) to this one."""
+        if part.mode is not None:
+            if self.mode is not None and part.mode != self.mode:
+                raise DumpFormatError(
+                    part.pairs[0].target,
+                    f"is a {part.mode} dump while earlier steps/ranks were compared as {self.mode}",
+                )
+            self.mode = part.mode
+        rows, calls, pairs = len(self.drafts), len(self.apis), len(self.pairs)
+        for d in part.drafts:
+            d.api_index += calls
+        for a in part.apis:
+            a.row_start += rows
+            a.row_stop += rows
+            a.pair += pairs
+        self.drafts.extend(part.drafts)
+        self.apis.extend(part.apis)
+        self.pairs.extend(part.pairs)
+        self.feeds.update({i + calls: [j + calls for j in fed] for i, fed in part.feeds.items()})
+        self.opaque.update(i + calls for i in part.opaque)
+        self.structural.update({i + calls: j + calls for i, j in part.structural.items()})
 
     def _resolve_mode(self, t: Dump, b: Dump) -> str:
         if self.requested_mode == "auto":
@@ -514,7 +691,11 @@ class _Builder:
                     d.check = _escalate_to(d.check, WARNING, note)
                 self.structural[index] = source
 
-    def finish(self) -> tuple[list[RowResult], list[ApiResult], dict[int, list[int]]]:
+    def finish(
+        self,
+    ) -> tuple[list[RowResult], list[ApiResult], dict[int, list[int]], dict[int, list[int]]]:
+        """Rows and calls as results, with the calls each call reads (``feeds``) and each collective's
+        counterparts on the other ranks (``peers``)."""
         rows = []
         for d in self.drafts:
             check = d.check
@@ -536,8 +717,8 @@ class _Builder:
                     msprobe_accuracy=check.msprobe_accuracy,
                 )
             )
-        ranked = sorted(range(len(self.apis)), key=lambda i: (self.apis[i].pair, self.apis[i].position))
-        order = {i: n for n, i in enumerate(ranked)}
+        places = [CallPlace(a.api, a.step, a.rank, a.position) for a in self.apis]
+        order = {i: n for n, i in enumerate(execution_order(places))}
         apis = []
         for i, a in enumerate(self.apis):
             summary = summarize_api(rows[a.row_start : a.row_stop], a.row_start, a.one_side)
@@ -561,7 +742,7 @@ class _Builder:
                     pair=a.pair,
                 )
             )
-        return rows, apis, self.feeds
+        return rows, apis, self.feeds, collective_peers(places)
 
 
 def _same_record(x: Leaf, y: Leaf) -> bool:
@@ -646,11 +827,7 @@ def _compute_all(
     # contiguous chunks: each process reads its own files; results come back in order
     size = max(1, -(-len(files) // (jobs * 4)))
     chunks = [files[i : i + size] for i in range(0, len(files), size)]
-    import multiprocessing
-
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-    context = multiprocessing.get_context(method)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+    with _pool(jobs) as pool:
         results = []
         for part in pool.map(_metrics_chunk, chunks):
             results.extend(part)

@@ -52,7 +52,7 @@ class ApiResult:
     bench_api: str | None
     step: int | None
     rank: int | None
-    order: int  # execution-order index over the whole compare (steps, then ranks, then calls)
+    order: int  # execution-order index over the whole compare (steps; calls, ranks ordered by collectives)
     direction: str | None  # "forward", "backward" or None
     status: str
     reason: str

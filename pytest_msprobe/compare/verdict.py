@@ -3,12 +3,15 @@
 A row check returns a :class:`Check`; the thresholds it uses come from :class:`Thresholds` (data, not code).
 
 The **first divergence** is where the error enters, not where it shows. Over all compared API calls in
-execution order (forward, then backward, steps then ranks):
+execution order (forward, then backward; steps; ranks ordered through the collectives they share, see
+:mod:`pytest_msprobe.compare.ranks`):
 
 1. *enters*: the earliest call whose outputs breach while its inputs match (every input within a tenth of its
    tolerance: an input close to its line may have pushed the output over). The inputs of a backward call are
    the gradients flowing in plus the tensors its forward call saw (a backward kernel reads them); a module's
-   ``parameters_grad`` has the inputs of the module's backward.
+   ``parameters_grad`` has the inputs of the module's backward. The inputs of a collective are its inputs on
+   every rank of its group: an all_reduce whose output differs on rank 0 while rank 0's own input matches
+   does not let the error in when rank 1's input already differs.
 2. *grows*: if every breaching call already has breaching inputs (errors flow in everywhere: a later step after
    an earlier fault moved the weights, a dump that starts mid-run), the earliest call whose output error is at
    least ``amplification`` (10) times its input error.
@@ -348,10 +351,15 @@ def first_divergence(
     feeds: Mapping[int, Sequence[int]],
     amplification: float,
     opaque: Collection[int] = (),
+    peers: Mapping[int, Sequence[int]] | None = None,
 ) -> Divergence | None:
     """Where the error enters (see the module docstring). ``feeds[i]`` are the calls whose tensors call ``i``
     also reads (a backward call's forward call; a parameters_grad's module backward); the inputs of the
-    calls in ``opaque`` are unknown, so the error cannot be shown to enter there."""
+    calls in ``opaque`` are unknown, so the error cannot be shown to enter there. ``peers[i]`` are the same
+    collective as call ``i`` on the other ranks of its group: their inputs are inputs of call ``i`` too (an
+    all_reduce sums every rank's input), their outputs are not (they are the same result, and differ when
+    call ``i``'s does)."""
+    peers = peers or {}
     compared = [(api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED]
     compared.sort()
 
@@ -373,6 +381,14 @@ def first_divergence(
             errors.extend(e for e in (other.input_error, other.output_error) if e is not None)
             breach = breach or other.input_breach or other.output_breach
             tainted = tainted or breach or any(near(k) for k in other.rows)
+        for j in peers.get(i, ()):
+            other = apis[j]
+            if other.status == UNMATCHED:
+                continue
+            if other.input_error is not None:
+                errors.append(other.input_error)
+            breach = breach or other.input_breach
+            tainted = tainted or breach or any(near(k) for k in other.rows if rows[k].role != OUTPUT)
         return (max(errors) if errors else None), breach, tainted
 
     def make(i: int, rule: str, why: str) -> Divergence:
@@ -386,8 +402,11 @@ def first_divergence(
         if not in_tainted:
             api = apis[i]
             row = _worst_output_row(api, rows)
+            group = {apis[j].rank for j in peers.get(i, ())} | {api.rank}
+            ranks = sorted(r for r in group if r is not None)
+            inputs = f"its inputs on ranks {', '.join(map(str, ranks))}" if len(ranks) > 1 else "its inputs"
             why = (
-                f"its output differs ({_suffix(api, rows, row)}: {rows[row].reason}) while its inputs match "
+                f"its output differs ({_suffix(api, rows, row)}: {rows[row].reason}) while {inputs} match "
                 f"the baseline: the error enters here"
             )
             return make(i, "enters", why)
@@ -406,6 +425,12 @@ def first_divergence(
     if not inherited:
         return None
     i = inherited[0]
+    if not any(rows[j].role != OUTPUT and rows[j].status == ERROR for j in apis[i].rows):
+        # a collective whose own inputs match: the error came in with another rank's input to it
+        for j in sorted(peers.get(i, ()), key=lambda j: apis[j].order):
+            if apis[j].input_breach:
+                i = j
+                break
     api = apis[i]
     in_rows = [j for j in api.rows if rows[j].role != OUTPUT and rows[j].status == ERROR]
     if not in_rows:  # (its inputs are unknown)

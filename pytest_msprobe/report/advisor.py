@@ -8,7 +8,8 @@ from __future__ import annotations
 import re
 
 from pytest_msprobe.compare.load import OUTPUT
-from pytest_msprobe.compare.result import ERROR, CompareResult, Divergence
+from pytest_msprobe.compare.ranks import collective_op
+from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Divergence
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
 _NONDETERMINISTIC = re.compile(
@@ -97,10 +98,34 @@ def advice(result: CompareResult, fd: Divergence) -> str:
             f"{_op_name(api.api)} can be nondeterministic by nature (parallel reductions): make sure both runs "
             "called seed_all(seed, mode=True) before concluding."
         )
+    ranks = _other_ranks(result, fd)
+    if ranks:
+        text.append(ranks)
     site = _call_site(result.stacks.get(api.api, ()))
     if site:
         text.append(f"Called from: {site}.")
     return " ".join(text)
+
+
+def _other_ranks(result: CompareResult, fd: Divergence) -> str | None:
+    """Of a multi-rank compare: the rank where the error enters, and how it reaches the others."""
+    ranks = {a.rank for a in result.apis if a.rank is not None}
+    if fd.rank is None or len(ranks) < 2:
+        return None
+    later: dict[int, ApiResult] = {}
+    for a in result.failures:
+        if a.rank is not None and a.rank != fd.rank:
+            later.setdefault(a.rank, a)
+    if not later:
+        return f"Only rank {fd.rank} breaches (of ranks {', '.join(map(str, sorted(ranks)))}): look at that rank."
+    via = [a for a in later.values() if collective_op(a.api) is not None]
+    text = (
+        f"The error enters on rank {fd.rank}; rank(s) {', '.join(map(str, sorted(later)))} breach later "
+        f"(first: {'; '.join(f'rank {r}: {a.api}' for r, a in sorted(later.items()))})"
+    )
+    if via:
+        text += ", carried there by the collectives the ranks share: look at rank " + str(fd.rank) + " first"
+    return text + "."
 
 
 def advisor_text(result: CompareResult) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from pytest_msprobe.compare.metrics import STAT_NAMES
 from pytest_msprobe.compare.result import ERROR, CompareResult, RowResult
 from pytest_msprobe.compare.verdict import fmt_number
+from pytest_msprobe.report.summary import rank_line
 
 
 def row_metric(row: RowResult) -> str:
@@ -51,15 +52,22 @@ def failure_message(
         if result.missing
         else ""
     )
+    ranks = sorted({p.rank for p in result.pairs if p.rank is not None})
+    scope = f", steps {', '.join(map(str, steps))}" if steps else ""
+    if len(ranks) > 1:
+        scope += f", ranks {', '.join(map(str, ranks))}"
     lines = [
         f"msprobe: {lacking}{c['apis_error']} of {c['apis']} API calls breach the thresholds "
         f"({c['error']} error rows, {c['warning']} warnings, {c['unmatched']} unmatched; {result.mode} mode"
-        + (f", steps {', '.join(map(str, steps))})" if steps else ")")
+        f"{scope})"
     ]
     fd = result.first_divergence
     if fd is not None:
         lines.append(f"first divergence: {fd.api} (step {fd.step}, rank {fd.rank}), row {fd.row}")
         lines.append(f"  {fd.reason}")
+    by_rank = rank_line(result)
+    if by_rank:
+        lines.append(by_rank)
     if result.missing:
         lines.append(f"missing in the target ({len(result.missing)} dump(s) the baseline has):")
         lines.extend(f"  {note}" for note in result.missing[:5])

@@ -1,8 +1,9 @@
 """The HTML view of a compare for pytest-html: advisor text, the failing rows, a plot, links to the files.
 
 The plot shows, for every API call in execution order, how far its worst row is from its threshold (error /
-allowed, log scale; 1 is the threshold), forward and backward calls in two colours, with the first divergence
-marked: where the error enters is the first point above the line whose inputs were still below it.
+allowed, log scale; 1 is the threshold), forward and backward calls in two colours, one marker per rank when
+there are several, with the first divergence marked (and its rank named): where the error enters is the first
+point above the line whose inputs were still below it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pytest_msprobe.compare.result import ERROR, CompareResult
 from pytest_msprobe.report.failure import row_metric, worst_rows
 
 _FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")  # one per rank, in rank order
 
 
 def api_ratios(result: CompareResult) -> list[float | None]:
@@ -40,6 +42,18 @@ def api_ratios(result: CompareResult) -> list[float | None]:
     return ratios
 
 
+def plot_title(result: CompareResult) -> str:
+    """The plot's title: the verdict, and in a multi-rank compare the ranks and the first divergence's rank."""
+    title = f"{result.mode} compare: {'passed' if result.passed else 'FAILED'}"
+    ranks = sorted({a.rank for a in result.apis if a.rank is not None})
+    if len(ranks) > 1:
+        title += f", ranks {', '.join(map(str, ranks))}"
+        fd = result.first_divergence
+        if fd is not None and fd.rank is not None:
+            title += f"; first divergence on rank {fd.rank}"
+    return title
+
+
 def error_plot_png(result: CompareResult) -> bytes | None:
     """A PNG of each API's error/allowed along execution order, or None without matplotlib or data."""
     try:
@@ -54,27 +68,39 @@ def error_plot_png(result: CompareResult) -> bytes | None:
     points = [(pos, i, ratios[i]) for pos, i in enumerate(order) if ratios[i] is not None]
     if not points:
         return None
+    ranks = sorted({a.rank for a in result.apis if a.rank is not None})
+    several = len(ranks) > 1
     fig, ax = plt.subplots(figsize=(10, 3.6), dpi=100)
     try:
-        for direction, colour, label in (
-            ("forward", "#1f77b4", "forward"),
-            ("backward", "#ff7f0e", "backward"),
-        ):
-            xs = [p for p, i, _ in points if (result.apis[i].direction or "forward") == direction]
-            ys = [
-                max(min(r or 0.0, 1e12), _FLOOR)
-                for p, i, r in points
-                if (result.apis[i].direction or "forward") == direction
-            ]
-            if xs:
-                ax.scatter(xs, ys, s=9, c=colour, label=label, zorder=3)
+        # colour: direction; marker: rank (when there are several)
+        for direction, colour in (("forward", "#1f77b4"), ("backward", "#ff7f0e")):
+            for rank in ranks if several else [None]:
+                chosen = [
+                    (p, r)
+                    for p, i, r in points
+                    if (result.apis[i].direction or "forward") == direction
+                    and (rank is None or result.apis[i].rank == rank)
+                ]
+                if not chosen:
+                    continue
+                label = direction if rank is None else f"{direction}, rank {rank}"
+                marker = "o" if rank is None else _MARKERS[ranks.index(rank) % len(_MARKERS)]
+                ax.scatter(
+                    [p for p, _ in chosen],
+                    [max(min(r or 0.0, 1e12), _FLOOR) for _, r in chosen],
+                    s=9 if rank is None else 14,
+                    c=colour,
+                    marker=marker,
+                    label=label,
+                    zorder=3,
+                )
         ax.axhline(1.0, color="#d62728", linewidth=1, linestyle="--", label="threshold")
         fd = result.first_divergence
         if fd is not None:
             pos = order.index(fd.api_index)
             ax.axvline(pos, color="#d62728", linewidth=1.2)
             ax.annotate(
-                f"first divergence\n{fd.api}",
+                f"first divergence\n{fd.api}" + (f" (rank {fd.rank})" if several else ""),
                 xy=(pos, 1.0),
                 xytext=(8, 18),
                 textcoords="offset points",
@@ -82,10 +108,10 @@ def error_plot_png(result: CompareResult) -> bytes | None:
                 color="#d62728",
             )
         ax.set_yscale("log")
-        ax.set_xlabel("API call, execution order (forward, backward; steps, ranks)")
+        ax.set_xlabel("API call, execution order (steps; forward, backward; ranks side by side)")
         ax.set_ylabel("error / allowed")
-        ax.set_title(f"{result.mode} compare: {'passed' if result.passed else 'FAILED'}", fontsize=10)
-        ax.legend(loc="upper left", fontsize=8, frameon=False)
+        ax.set_title(plot_title(result), fontsize=10)
+        ax.legend(loc="upper left", fontsize=8, frameon=False, ncol=2 if several else 1)
         ax.grid(True, which="major", axis="y", alpha=0.3)
         fig.tight_layout()
         buf = io.BytesIO()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pytest_msprobe.compare.result import ApiResult, CompareResult
+from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult
 from pytest_msprobe.compare.verdict import fmt_number
 
 
@@ -13,9 +13,48 @@ def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict
     return {"api": api.api, "row": row, "step": api.step, "rank": api.rank, "reason": reason}
 
 
+def rank_summaries(result: CompareResult) -> list[dict[str, Any]]:
+    """Per rank of a multi-rank compare, in rank order: ``{rank, passed, apis, apis_error, first_error}``,
+    ``first_error`` the rank's earliest breaching call (None when none breaches). Empty without ranks."""
+    ranks: dict[int, list[ApiResult]] = {}
+    for api in result.apis:
+        if api.rank is not None:
+            ranks.setdefault(api.rank, []).append(api)
+    out = []
+    for rank in sorted(ranks):
+        failing = sorted((a for a in ranks[rank] if a.status == ERROR), key=lambda a: a.order)
+        out.append(
+            {
+                "rank": rank,
+                "passed": not failing,
+                "apis": len(ranks[rank]),
+                "apis_error": len(failing),
+                "first_error": failing[0].api if failing else None,
+            }
+        )
+    return out
+
+
+def rank_line(result: CompareResult) -> str | None:
+    """``by rank: rank 0: 2 of 40 calls breach, first ...; rank 1: passed`` for a compare of several ranks."""
+    per_rank = rank_summaries(result)
+    if len(per_rank) < 2:
+        return None
+    return "by rank: " + "; ".join(
+        f"rank {r['rank']}: "
+        + (
+            f"{r['apis_error']} of {r['apis']} calls breach, first {r['first_error']}"
+            if r["apis_error"]
+            else "passed"
+        )
+        for r in per_rank
+    )
+
+
 def summary_dict(result: CompareResult) -> dict[str, Any]:
     """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
-    [the baseline's steps/ranks the target lacks], "counts"}``."""
+    [the baseline's steps/ranks the target lacks], "ranks": [per rank: rank, passed, apis, apis_error,
+    first_error], "counts"}``."""
     fd = result.first_divergence
     failures = []
     for api in result.failures:
@@ -28,6 +67,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         else {"api": fd.api, "row": fd.row, "step": fd.step, "rank": fd.rank, "reason": fd.reason},
         "failures": failures,
         "missing": list(result.missing),
+        "ranks": rank_summaries(result),
         "counts": result.counts(),
     }
 
@@ -57,6 +97,9 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         where = f"step {fd.step}, rank {fd.rank}" if fd.step is not None else f"rank {fd.rank}"
         lines.append(f"first divergence: {fd.api} ({where}), row {fd.row}")
         lines.append(f"  {fd.reason}")
+    by_rank = rank_line(result)
+    if by_rank:
+        lines.append(by_rank)
     flagged = [r for r in result.rows if r.status == "error" and r.error is not None]
     flagged.sort(key=lambda r: -(r.error or 0.0) / (r.allowed or 1e-300))
     if flagged:

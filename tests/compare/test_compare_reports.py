@@ -137,8 +137,17 @@ def test_advisor_when_everything_passes(tmp_path: Path) -> None:
 def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> None:
     result, paths = reported
     doc = json.loads(Path(paths["summary"]).read_text())
-    assert set(doc) == {"passed", "first_divergence", "failures", "missing", "counts"}
+    assert set(doc) == {"passed", "first_divergence", "failures", "missing", "ranks", "counts"}
     assert doc["missing"] == []
+    assert doc["ranks"] == [
+        {
+            "rank": 0,
+            "passed": False,
+            "apis": len(result.apis),
+            "apis_error": len(doc["failures"]),
+            "first_error": "Functional.relu.2.forward",
+        }
+    ]
     assert doc["passed"] is False
     assert doc["first_divergence"] == {
         "api": "Functional.relu.2.forward",
