@@ -291,7 +291,14 @@ class MsprobeRun:
                     baseline=baseline,
                 )
             try:
-                result = compare(self.dump_dir, baseline, thresholds=self.settings.thresholds, stack=True)
+                result = compare(
+                    self.dump_dir,
+                    baseline,
+                    thresholds=self.settings.thresholds,
+                    stack=True,
+                    # xdist already runs one test per core: a worker's compare stays in its process
+                    jobs=1 if os.environ.get("PYTEST_XDIST_WORKER") else None,
+                )
             except DumpFormatError as exc:  # found only now, e.g. a truncated tensor file
                 which = "baseline" if _inside(exc.path, baseline) else "dump"
                 raise BaselineError(f"unusable {which}: {exc}") from None

@@ -65,7 +65,10 @@ DDP_TEST = textwrap.dedent(
             x = torch.randn(4, 3, 8, 8, generator=g)
             y = torch.randint(0, 4, (4,), generator=g)
             with msprobe.step(model):
-                loss = F.cross_entropy(model(x), y)
+                out = model(x)
+                summed = out.detach().clone()
+                dist.all_reduce(summed)  # the logits summed over the ranks, e.g. for a global metric
+                loss = F.cross_entropy(out, y)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -142,6 +145,9 @@ def test_two_gloo_ranks_regen_pass_and_a_fault_on_rank_one_names_rank_one(
     ranks = [json.loads((baseline / f"step0/rank{r}/dump.json").read_text()) for r in (0, 1)]
     assert ranks[0]["data"] != ranks[1]["data"]  # each rank its own batches
     assert all("Module.module.conv2.Conv2d.forward.0" in r["data"] for r in ranks)  # inside the DDP wrapper
+    reduces = [r["data"]["Distributed.all_reduce.0.forward"] for r in ranks]  # captured on every rank
+    assert reduces[0]["input_args"][0]["Max"] != reduces[1]["input_args"][0]["Max"]
+    assert reduces[0]["output"][0]["Max"] == reduces[1]["output"][0]["Max"]  # the reduced sum, on both
 
     clean = pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--junitxml=clean.xml")
     clean.assert_outcomes(passed=1)
@@ -162,6 +168,14 @@ def test_two_gloo_ranks_regen_pass_and_a_fault_on_rank_one_names_rank_one(
         "1",
     )
     kept = pytester.path / "msprobe-output" / "test_ddp" / "test_ddp"
+    # rank 0 breaches too (its all_reduce of the logits on clean local inputs, and the gradients DDP reduced):
+    # rank 1's contribution carried the error there, and the first divergence is still rank 1's relu
+    summary = json.loads((kept / "compare" / "summary.json").read_text())
+    by_rank = {r["rank"]: r for r in summary["ranks"]}
+    assert by_rank[0]["passed"] is False
+    rank0 = {f["api"] for f in summary["failures"] if f["rank"] == 0}
+    assert "Distributed.all_reduce.0.forward" in rank0, "its inputs are clean on rank 0, its output is not"
+    assert "Functional.relu.1.forward" not in rank0
     assert (kept / "dump" / "step0" / "rank1" / "dump.json").is_file()  # a failure keeps every rank's dump
     assert (kept / "ranks" / "rank1.log").is_file()
     assert _children() == []
