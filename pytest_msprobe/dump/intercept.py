@@ -67,6 +67,19 @@ def silence_this_thread() -> None:
     _set_grad_enabled(False)
 
 
+def _dressed_as(
+    wrapper: Callable[..., Any],
+    orig: Callable[..., Any],
+    attrs: tuple[str, ...] = ("__name__", "__qualname__", "__doc__", "__module__"),
+) -> Callable[..., Any]:
+    """``wrapper`` with the name and docs of ``orig`` (where they can be set), and ``orig`` as its ``__wrapped__``."""
+    for attr in attrs:
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(wrapper, attr, getattr(orig, attr))
+    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         recorder = _RECORDER
@@ -74,11 +87,7 @@ def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
             return orig(*args, **kwargs)
         return recorder.api_call(api, orig, args, kwargs)
 
-    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
-        with contextlib.suppress(AttributeError, TypeError):
-            setattr(wrapper, attr, getattr(orig, attr))
-    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
-    return wrapper
+    return _dressed_as(wrapper, orig)
 
 
 def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
@@ -92,11 +101,7 @@ def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]
             return orig(*args, **kwargs)
         return recorder.dist_call(api, orig, args, kwargs)
 
-    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
-        with contextlib.suppress(AttributeError, TypeError):
-            setattr(wrapper, attr, getattr(orig, attr))
-    wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
-    return wrapper
+    return _dressed_as(wrapper, orig)
 
 
 _P2P_APIS = frozenset({"Distributed.isend", "Distributed.irecv"})
@@ -155,11 +160,7 @@ def _make_wait_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]
             recorder.work_waited(self)
         return result
 
-    for attr in ("__name__", "__qualname__", "__doc__"):
-        with contextlib.suppress(AttributeError, TypeError):
-            setattr(wait, attr, getattr(orig, attr))
-    wait.__wrapped__ = orig  # type: ignore[attr-defined]
-    return wait
+    return _dressed_as(wait, orig, ("__name__", "__qualname__", "__doc__"))
 
 
 _Factory = Callable[[Callable[..., Any], str], Callable[..., Any]]
