@@ -261,6 +261,23 @@ def test_example_fault_on_one_rank_shows_first_at_its_relu(
     assert clean[names[0]]["input_args"] == bad[names[0]]["input_args"]
 
 
+def test_example_fault_on_rank_one_is_named_on_rank_one_by_the_compare(
+    tmp_path: Path, ranks_out: Path, example: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pytest_msprobe.cli import main
+
+    faulty, out = tmp_path / "faulty", tmp_path / "compare"
+    _run_example(example, "--dump-path", str(faulty), "--steps", "2", "--fault-rank", "1")
+    assert main(["compare", str(faulty), str(ranks_out / "ddp_L1"), "-o", str(out)]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    first = summary["first_divergence"]
+    assert (first["api"], first["step"], first["rank"]) == ("Functional.relu.1.forward", 0, 1)
+    # DDP's all-reduce carried the error into rank 0's gradients, so rank 0 breaches too, but later
+    by_rank = {r["rank"]: r for r in summary["ranks"]}
+    assert by_rank[0]["passed"] is False and by_rank[1]["passed"] is False
+    assert "first divergence: Functional.relu.1.forward (step 0, rank 1)" in capsys.readouterr().out
+
+
 # -- the same code paths on accelerators (nccl, hccl): skipped where there is none -----------------------------
 
 
