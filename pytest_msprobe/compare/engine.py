@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from pytest_msprobe.compare.align import Alignment, align
 from pytest_msprobe.compare.load import (
+    INPUT,
     OUTPUT,
     TENSOR,
     ApiEntry,
@@ -27,7 +28,7 @@ from pytest_msprobe.compare.load import (
     tensor_path,
 )
 from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics, tensor_metrics
-from pytest_msprobe.compare.ranks import CallPlace, collective_peers, execution_order
+from pytest_msprobe.compare.ranks import CallPlace, collective_keys, collective_peers, execution_order
 from pytest_msprobe.compare.result import (
     ERROR,
     PASS,
@@ -717,8 +718,14 @@ class _Builder:
                     msprobe_accuracy=check.msprobe_accuracy,
                 )
             )
-        places = [CallPlace(a.api, a.step, a.rank, a.position) for a in self.apis]
-        order = {i: n for n, i in enumerate(execution_order(places))}
+        places = [
+            CallPlace(
+                a.api, a.step, a.rank, a.position, _process_group(self.drafts[a.row_start : a.row_stop])
+            )
+            for a in self.apis
+        ]
+        keys = collective_keys(places)
+        order = {i: n for n, i in enumerate(execution_order(places, keys))}
         apis = []
         for i, a in enumerate(self.apis):
             summary = summarize_api(rows[a.row_start : a.row_stop], a.row_start, a.one_side)
@@ -742,7 +749,19 @@ class _Builder:
                     pair=a.pair,
                 )
             )
-        return rows, apis, self.feeds, collective_peers(places)
+        return rows, apis, self.feeds, collective_peers(places, keys)
+
+
+def _process_group(drafts: list[_Draft]) -> tuple[int, ...] | None:
+    """The ranks of the process group a call names among its inputs (msprobe's ``torch.ProcessGroup`` record)."""
+    for d in drafts:
+        leaf = d.target or d.baseline
+        if leaf is None or leaf.role != INPUT or leaf.type != "torch.ProcessGroup":
+            continue
+        ranks = leaf.value.get("group_ranks") if isinstance(leaf.value, dict) else None
+        if isinstance(ranks, list) and ranks and all(type(r) is int for r in ranks):
+            return tuple(sorted(ranks))
+    return None
 
 
 def _same_record(x: Leaf, y: Leaf) -> bool:

@@ -342,3 +342,85 @@ def test_jobs_default_to_the_cpus_and_must_be_positive(tmp_path: Path) -> None:
     assert default_jobs() >= 1
     with pytest.raises(ConfigError, match="jobs must be a whole number >= 1, got 0"):
         compare(baseline, baseline, jobs=0)
+
+
+# ------------------------------------------------------------------------------------- several process groups
+def _group(ranks: list[int]) -> dict[str, Any]:
+    return {"type": "torch.ProcessGroup", "group_ranks": ranks, "group_id": "g" + "".join(map(str, ranks))}
+
+
+def _reduce(values: dict[int, float], rank: int, group: list[int], drift: float = 1.0) -> dict[str, Any]:
+    """An all_reduce over ``group`` of every member's ``values[r]``; ``drift`` scales this rank's input."""
+    total = sum(values[r] for r in group)
+    return {
+        "input_args": [_t(values[rank] * drift)],
+        "input_kwargs": {"group": _group(group)},
+        "output": [_t(total)],
+    }
+
+
+def make_two_groups_run(root: Path, dp_input_drift: float = 1.0) -> Path:
+    """4 ranks: tensor-parallel pairs {0, 1} (two all_reduces) and {2, 3} (one), then data-parallel pairs
+    {0, 2} and {1, 3}. The ranks make different numbers of all_reduces, so the data-parallel one is
+    ``all_reduce.2`` on ranks 0 and 1 but ``all_reduce.1`` on ranks 2 and 3. ``dp_input_drift`` scales rank 2's
+    input to its data-parallel all_reduce (and so rank 0's output of it), coming from no recorded call."""
+    tp = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    dp = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    x = {r: 1.0 + r for r in range(4)}
+    g = {r: 10.0 + r for r in range(4)}  # each rank's gradient, reduced over its data-parallel pair
+    g_seen = dict(g)
+    g_seen[2] = g[2] * dp_input_drift
+    for rank in range(4):
+        data: dict[str, Any] = {
+            "Functional.linear.0.forward": {"input_args": [_t(x[rank])], "input_kwargs": {}, "output": [_t(x[rank] + 1)]}
+        }  # fmt: skip
+        n = 0
+        for _ in range(2 if rank < 2 else 1):
+            data[f"Distributed.all_reduce.{n}.forward"] = _reduce(
+                {r: x[r] + 1 for r in range(4)}, rank, tp[rank]
+            )
+            n += 1
+        reduce = _reduce(g_seen, rank, dp[rank])
+        if rank == 2:
+            reduce["input_args"] = [_t(g_seen[2])]
+        data[f"Distributed.all_reduce.{n}.forward"] = reduce
+        write_dump(root / "step0" / f"rank{rank}", data)
+    return root
+
+
+def test_collectives_pair_by_group_and_place_in_it_not_by_name(tmp_path: Path) -> None:
+    """Rank 2's gradient differs where no call records it; rank 0's data-parallel all_reduce (``.2``) then
+    breaches on clean local inputs. By name it would pair with rank 1's ``all_reduce.2`` (another group, clean)
+    and look like where the error enters; by group it pairs with rank 2's ``all_reduce.1``, whose input differs."""
+    baseline = make_two_groups_run(tmp_path / "b")
+    target = make_two_groups_run(tmp_path / "t", dp_input_drift=1.01)
+    result = compare(target, baseline, jobs=1)
+    assert not result.passed
+    fd = result.first_divergence
+    assert fd is not None
+    assert (fd.api, fd.rank) == ("Distributed.all_reduce.1.forward", 2), fd
+    assert fd.rule != "enters"
+    dp0 = by_name(result, "Distributed.all_reduce.2.forward", 0)
+    assert dp0.output_breach and not dp0.input_breach
+    # the tensor-parallel all_reduces are clean everywhere
+    assert by_name(result, "Distributed.all_reduce.0.forward", 2).status == "pass"
+
+
+def test_collective_keys_follow_the_group() -> None:
+    g01, g02 = (0, 1), (0, 2)
+    places = [
+        CallPlace("Distributed.all_reduce.0.forward", 0, 0, 0, g01),
+        CallPlace("Distributed.all_reduce.1.forward", 0, 0, 1, g01),
+        CallPlace("Distributed.all_reduce.2.forward", 0, 0, 2, g02),
+        CallPlace("Distributed.all_reduce.0.forward", 0, 1, 0, g01),
+        CallPlace("Distributed.all_reduce.1.forward", 0, 1, 1, g01),
+        CallPlace("Distributed.all_reduce.0.forward", 0, 2, 0, g02),
+        CallPlace("Distributed.broadcast.0.forward", 0, 2, 1, None),  # the default group: every rank
+    ]
+    peers = collective_peers(places)
+    assert peers[2] == [5] and peers[5] == [2]  # all_reduce.2 on rank 0 is all_reduce.0 on rank 2
+    assert peers[0] == [3] and peers[1] == [4]
+    assert 6 not in peers  # no other rank has a broadcast
+    order = execution_order(places)
+    # rank 0 cannot leave its data-parallel all_reduce before rank 2 enters it, nor rank 2 before rank 0
+    assert order.index(5) > order.index(1) and order.index(2) > order.index(1)
