@@ -151,11 +151,14 @@ def train(
     device: str = "cpu",
     width: int = 8,
     seed: int = 1234,
+    debugger: Any = None,
 ) -> RankResult:
     """Train this rank of an initialised process group with DDP; dump to ``dump_path`` when it is given.
 
     ``dump_ranks`` limits the dump to those global ranks (the others dump nothing but train as usual);
-    ``fault_rank`` makes one relu faulty on that rank (see ``install_relu_fault``).
+    ``fault_rank`` makes one relu faulty on that rank (see ``install_relu_fault``). ``debugger`` is a
+    configured ``PrecisionDebugger`` to drive instead (the pytest plugin's ``msprobe.debugger``): it is given the
+    model and left open for its owner.
     """
     from pytest_msprobe import PrecisionDebugger, seed_all
 
@@ -172,8 +175,8 @@ def train(
     model = DistributedDataParallel(net, device_ids=None if dev.type == "cpu" else [dev.index])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    debugger = None
-    if dump_path is not None:
+    own = debugger is None and dump_path is not None
+    if own:
         summary = {"summary_mode": "md5"} if task == "md5" else {}
         debugger = PrecisionDebugger(
             dump_path=str(dump_path),
@@ -188,7 +191,7 @@ def train(
         for step in range(steps):
             x, y = (t.to(dev) for t in rank_batch(step, rank))
             if debugger is not None:
-                debugger.start(model=model if level != "L1" else None)
+                debugger.start(model=model if level != "L1" or not own else None)
             loss = loss_fn(model(x), y)
             opt.zero_grad()
             loss.backward()
@@ -203,7 +206,7 @@ def train(
     finally:
         if restore is not None:
             restore()
-        if debugger is not None:
+        if own:
             debugger.close()
     return result
 
