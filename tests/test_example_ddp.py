@@ -3,6 +3,7 @@ gloo ranks, and a relu 1% wrong on rank 1 only fails the test naming rank 1."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import subprocess
@@ -60,10 +61,16 @@ def test_the_shipped_baseline_passes_with_two_gloo_ranks(tmp_path: Path) -> None
 
 
 def test_a_relu_fault_on_rank_one_fails_naming_rank_one(tmp_path: Path) -> None:
-    run = _pytest(tmp_path, f"--junitxml={tmp_path / 'junit.xml'}", fault=True)
+    report = tmp_path / "report.html"
+    run = _pytest(tmp_path, f"--junitxml={tmp_path / 'junit.xml'}", f"--html={report}", fault=True)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "first divergence: Functional.relu.1.forward (step 0, rank 1)" in run.stdout, run.stdout
     summary = json.loads((tmp_path / "out" / FOLDER / "compare" / "summary.json").read_text())
     by_rank = {r["rank"]: r["passed"] for r in summary["ranks"]}
     assert by_rank == {0: False, 1: False}  # DDP carries rank 1's error into rank 0's gradients
     assert 'name="msprobe_first_divergence_rank" value="1"' in (tmp_path / "junit.xml").read_text()
+    # the pytest-html report (its results are an HTML-escaped JSON blob) names the rank, in the headline and in
+    # the advisor text
+    page = html.unescape(report.read_text())
+    assert "Functional.relu.1.forward</b> (step 0, rank 1)" in page
+    assert "msprobe-advisor" in page and "The error enters on rank 1" in page
