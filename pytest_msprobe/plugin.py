@@ -19,6 +19,7 @@ told its part by the hidden option ``--msprobe-rank-spec``.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,8 @@ def pytest_configure(config: pytest.Config) -> None:
             _ini_dir(config),
         )
         spec = config.getoption("msprobe_rank_spec", None)
+        if spec is None and config.stash[SESSION_KEY].active:
+            _refuse_external_ranks(os.environ)
         if spec is not None:
             from pytest_msprobe.ranks import RankProcess
 
@@ -123,6 +126,21 @@ def pytest_configure(config: pytest.Config) -> None:
     except MsprobeError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.pluginmanager.register(_Summary(config.stash[SESSION_KEY]), "msprobe-summary")
+
+
+def _refuse_external_ranks(env: Any) -> None:
+    """pytest itself started as one rank of several (torchrun -m pytest): every rank would dump, regenerate and
+    compare the same tests' folders at once. The ranks of a test are the plugin's to start."""
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if world > 1:
+        raise MsprobeError(
+            f"this pytest runs as rank {env.get('RANK', '?')} of WORLD_SIZE={world} (started by torchrun?): "
+            "every rank would dump, write and compare the same baselines. Start pytest once, without a "
+            "launcher; a test marked @pytest.mark.msprobe(world_size=N) starts its own N ranks"
+        )
 
 
 @pytest.fixture

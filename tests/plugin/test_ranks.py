@@ -371,3 +371,18 @@ def test_rank_failure_blames_the_first_rank_to_fail(
 def test_a_skip_on_any_rank_skips_the_test() -> None:
     assert rank_skip([_exit(0), _exit(1, outcome="skipped", report="Skipped: no GPU")]) == "rank 1: no GPU"
     assert rank_skip([_exit(0), _exit(1)]) is None
+
+
+def test_pytest_started_as_one_of_several_ranks_is_refused(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torchrun --nproc-per-node 2 -m pytest``: each rank would write and compare the same baselines."""
+    pytester.makepyfile("def test_x(msprobe):\n    pass\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    refused = pytester.runpytest(*BASE, "--msprobe-baseline=bl")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines(["*this pytest runs as rank 1 of WORLD_SIZE=2 (started by torchrun?)*"])
+    assert not (pytester.path / "bl").exists()
+    # without a baseline the plugin stays out of the way: the tests run as plain tests
+    pytester.runpytest(*BASE).assert_outcomes(passed=1)
