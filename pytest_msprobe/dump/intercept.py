@@ -80,12 +80,14 @@ def _dressed_as(
     return wrapper
 
 
-def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
+def _make_wrapper(orig: Callable[..., Any], api: str, record: str = "api_call") -> Callable[..., Any]:
+    """The wrapper of one API: straight through unless a step is being recorded, else to ``Recorder.<record>``."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         recorder = _RECORDER
         if recorder is None or _tls.depth:
             return orig(*args, **kwargs)
-        return recorder.api_call(api, orig, args, kwargs)
+        return getattr(recorder, record)(api, orig, args, kwargs)
 
     return _dressed_as(wrapper, orig)
 
@@ -94,14 +96,7 @@ def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]
     """A wrapper of a torch.distributed collective (recorded with its tensors after the call, see capture)."""
     if api in _P2P_APIS:
         return _P2PWrapper(orig, api)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        recorder = _RECORDER
-        if recorder is None or _tls.depth:
-            return orig(*args, **kwargs)
-        return recorder.dist_call(api, orig, args, kwargs)
-
-    return _dressed_as(wrapper, orig)
+    return _make_wrapper(orig, api, "dist_call")
 
 
 _P2P_APIS = frozenset({"Distributed.isend", "Distributed.irecv"})
