@@ -628,10 +628,7 @@ class Recorder:
         tls = _tls
         tls.depth += 1
         try:
-            counts = self.counter.counts
-            index = counts.get(api, 0)
-            counts[api] = index + 1
-            fwd = f"{api}.{index}.{FORWARD}"
+            fwd = f"{api}.{self.counter.next(api)}.{FORWARD}"
             select = self.select
             wanted = select.forward
             if self.filtered:
