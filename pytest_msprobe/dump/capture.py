@@ -38,6 +38,7 @@ from pytest_msprobe.dump.collectives import (
     P2POp,
     PendingCollective,
     collective_tensors,
+    iter_tensors,
     p2p_fields,
     works_of,
 )
@@ -367,7 +368,7 @@ class Recorder:
             nodes = [node]
         else:
             nodes = []
-            for t in _iter_tensors(out):
+            for t in iter_tensors(out):
                 node = t.grad_fn
                 if node is None:
                     continue
@@ -764,17 +765,6 @@ def _backward_parent(parent: str) -> str | None:
     return backward_of(parent)
 
 
-def _iter_tensors(value: Any) -> Iterable[torch.Tensor]:
-    if isinstance(value, _Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _iter_tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _iter_tensors(v)
-
-
 def _iter_top_tensors(value: Any) -> Iterable[tuple[int, torch.Tensor]]:
     """(position, tensor) at the top level of a module output: the tensor itself, or those of a tuple/list."""
     if isinstance(value, _Tensor):
@@ -794,12 +784,12 @@ def _input_nodes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
             if node is not None:
                 nodes.append(node)
         elif isinstance(a, (tuple, list)):
-            for t in _iter_tensors(a):
+            for t in iter_tensors(a):
                 node = t.grad_fn
                 if node is not None:
                     nodes.append(node)
     if kwargs:
-        for t in _iter_tensors(kwargs):
+        for t in iter_tensors(kwargs):
             node = t.grad_fn
             if node is not None:
                 nodes.append(node)

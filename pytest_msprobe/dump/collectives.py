@@ -66,22 +66,23 @@ def works_of(result: Any) -> list[Any]:
 def collective_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
     """Every tensor among a collective's arguments, in lists and ``P2POp`` objects included."""
     for value in args:
-        yield from _tensors(value)
+        yield from iter_tensors(value)
     for value in kwargs.values():
-        yield from _tensors(value)
+        yield from iter_tensors(value)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``: itself, or within its lists, tuples, dicts and ``P2POp`` objects."""
     if isinstance(value, _Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors(item)
+            yield from iter_tensors(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from iter_tensors(item)
     elif P2POp is not None and isinstance(value, P2POp):
-        yield from _tensors(value.tensor)
+        yield from iter_tensors(value.tensor)
 
 
 def p2p_fields(op: Any) -> dict[str, Any]:
