@@ -28,7 +28,13 @@ from pytest_msprobe.compare.load import (
     tensor_path,
 )
 from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics, tensor_metrics
-from pytest_msprobe.compare.ranks import CallPlace, collective_keys, collective_peers, execution_order
+from pytest_msprobe.compare.ranks import (
+    DISTRIBUTED,
+    CallPlace,
+    collective_keys,
+    collective_peers,
+    execution_order,
+)
 from pytest_msprobe.compare.result import (
     ERROR,
     PASS,
@@ -720,7 +726,14 @@ class _Builder:
             )
         places = [
             CallPlace(
-                a.api, a.step, a.rank, a.position, _process_group(self.drafts[a.row_start : a.row_stop])
+                a.api,
+                a.step,
+                a.rank,
+                a.position,
+                # only a collective's group orders anything: the other calls' rows are not searched
+                _process_group(self.drafts[a.row_start : a.row_stop])
+                if a.api.startswith(DISTRIBUTED)
+                else None,
             )
             for a in self.apis
         ]
