@@ -184,6 +184,25 @@ def _copy_tree(src: Path, dst: Path) -> None:
         raise
 
 
+def _full_file_system(folder: Path) -> str:
+    """Which file system holding ``folder`` is full, and what it has left: '... mounted at /data is full, 0 B
+    free'."""
+    from pytest_msprobe.dump.config import format_size
+
+    probe = Path(os.path.abspath(folder))
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    mount = probe
+    try:
+        device = os.stat(probe).st_dev
+        while mount.parent != mount and os.stat(mount.parent).st_dev == device:
+            mount = mount.parent
+        free = f", {format_size(shutil.disk_usage(probe).free)} free"
+    except OSError:
+        free = ""
+    return f"the file system mounted at {mount} is full{free}"
+
+
 def _lock_fd(folder: Path) -> int | None:
     """A descriptor of ``folder`` to flock, or None when there is no such folder to open."""
     try:
@@ -198,9 +217,26 @@ class BaselineStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 
-    def path_for(self, nodeid: str) -> Path:
-        """The test's baseline folder (which may not exist), after removing what a killed writer left."""
+    def _final(self, nodeid: str) -> Path:
+        """Where the test's baseline lives: its folder under the root, or where that folder links to.
+
+        A linked folder is followed, so that the baseline is written in place (atomically, beside the link's
+        target) and the link stays; swapping the link itself would replace it with a copy.
+        """
         path = self.root / baseline_folder(nodeid)
+        if not os.path.islink(path):
+            return path
+        target = Path(os.path.realpath(path))
+        if os.path.islink(target):
+            raise BaselineError(
+                f"{path}: the baseline folder is a symbolic link that cannot be followed (a loop?)"
+            )
+        return target
+
+    def path_for(self, nodeid: str) -> Path:
+        """The test's baseline folder (which may not exist), after removing what a killed writer left; a
+        folder that is a symbolic link is its target."""
+        path = self._final(nodeid)
         fd = _lock_fd(path.parent)
         if fd is not None:
             try:
@@ -276,7 +312,7 @@ class BaselineStore:
         """Replace the test's baseline with a copy of ``dump_root`` plus a manifest, all or nothing."""
         if not is_dump_root(dump_root):
             raise BaselineError(f"{dump_root}: no step folders to store as a baseline (was anything dumped?)")
-        final = self.root / baseline_folder(nodeid)
+        final = self._final(nodeid)
         had_one = False
         try:
             with self._locked(final):
@@ -297,6 +333,8 @@ class BaselineStore:
             where, why = exc.filename or final, exc.strerror or str(exc)
             if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
                 _src, where, why = exc.args[0][0]  # a folder's error gathered by copytree: report the first
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the copy may name its source: say what is full
+                where = f"{final.parent}: {_full_file_system(final.parent)}"
             at = "" if os.fspath(where) == os.fspath(final) else f" at {where}"
             kept = "the previous baseline is unchanged" if had_one else "no baseline was written"
             raise BaselineError(f"{final}: cannot write the baseline ({why}{at}); {kept}") from exc

@@ -51,5 +51,9 @@ class BaselineError(MsprobeError):
     """A baseline is missing, incomplete or cannot be written."""
 
 
+class BaselineMismatchError(BaselineError):
+    """A baseline was made by another kind of run than the test now makes (steps, ranks, task, level, seed)."""
+
+
 class ReportError(MsprobeError):
     """A compare report (xlsx, advisor, summary.json) cannot be written: the message names the file."""

@@ -34,7 +34,9 @@ RANK_KEY = pytest.StashKey[Any]()  # in a rank process: its ranks.RankProcess
 RUN_KEY = pytest.StashKey[Any]()  # the item's MsprobeRun
 OUTCOME_KEY = pytest.StashKey[Any]()  # the item's runner.Outcome
 VERDICT = "msprobe_verdict"  # user property: passed, failed, missing, regenerated or error
+REASON = "msprobe_reason"  # user property: one line, why a test that compared nothing failed or errored
 _LIST_INI = {"msprobe_dtype_rtol", "msprobe_api_rtol", "msprobe_skip_api"}
+_PATH_INI = {"msprobe_baseline", "msprobe_output"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -94,6 +96,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     for key, text in INI_KEYS.items():
         if key in _LIST_INI:
             parser.addini(key, text, type="linelist")
+        elif key in _PATH_INI:  # None when unset: an empty value is an error, not "no baseline"
+            parser.addini(key, text, type="string", default=None)
         else:
             parser.addini(key, text, type="string")
 
@@ -207,6 +211,7 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
         if joined and rank_process is not None:
             rank_process.leave()
         request.node.user_properties.append((VERDICT, "error"))
+        request.node.user_properties.append((REASON, _first_line(problem)))
         pytest.fail(f"msprobe: {problem}", pytrace=False)
     request.node.stash[RUN_KEY] = run
     yield run
@@ -259,6 +264,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
             verdict = "error" if isinstance(exc, BaselineError) else "failed"
     if problem is not None:  # failed outside the except block: no chained traceback in the report
         item.user_properties.append((VERDICT, verdict))
+        item.user_properties.append((REASON, _first_line(problem)))
         if run.baseline_dir is not None:
             item.user_properties.append(("msprobe_baseline", str(run.baseline_dir)))
         pytest.fail(f"msprobe: {problem}", pytrace=False)
@@ -272,8 +278,33 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     if outcome.baseline is not None:
         item.user_properties.append(("msprobe_baseline", str(outcome.baseline)))
     if outcome.kind in (FAILED, MISSING):
+        item.user_properties.append((REASON, _first_line(outcome.message.removeprefix("msprobe: "))))
         pytest.fail(outcome.message, pytrace=False)
     return result
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(
+    collector: pytest.Collector, name: str, obj: object
+) -> Generator[None, Any, Any]:
+    """A test marked msprobe that does not take the ``msprobe`` fixture would run unseeded and undumped, and
+    pass without comparing anything: an error at collection instead."""
+    made = yield
+    for item in made if isinstance(made, list) else [made]:
+        if (
+            isinstance(item, pytest.Function)
+            and item.get_closest_marker("msprobe") is not None
+            and "msprobe" not in item.fixturenames
+        ):
+            raise collector.CollectError(
+                f"{item.nodeid}: @pytest.mark.msprobe needs the msprobe fixture: add it to the test's "
+                f"arguments (def {item.originalname}(msprobe): ...) or drop the marker"
+            )
+    return made
 
 
 @pytest.hookimpl(wrapper=True)
@@ -312,9 +343,13 @@ class _Summary:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         props = dict(report.user_properties)
         if VERDICT in props and (report.when == "call" or (report.when == "setup" and report.failed)):
-            detail = props.get("msprobe_first_divergence") or props.get("msprobe_baseline", "")
-            if props.get("msprobe_first_divergence") and "msprobe_first_divergence_rank" in props:
-                detail = f"{detail} on rank {props['msprobe_first_divergence_rank']}"
+            first = props.get("msprobe_first_divergence")
+            if first:
+                detail = f"first divergence {first}"
+                if "msprobe_first_divergence_rank" in props:
+                    detail += f" on rank {props['msprobe_first_divergence_rank']}"
+            else:  # a test that compared nothing says why; a pass or a regeneration where its baseline is
+                detail = str(props.get(REASON) or props.get("msprobe_baseline", ""))
             self.lines.append((report.nodeid, str(props[VERDICT]), str(detail)))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -326,8 +361,7 @@ class _Summary:
             tr.write_line("no --msprobe-baseline: msprobe tests ran their training steps without comparing")
             return
         for nodeid, verdict, detail in self.lines:
-            note = f"first divergence {detail}" if verdict == "failed" and detail else detail
-            tr.write_line(f"{verdict.upper():<12} {nodeid}" + (f"  ({note})" if note else ""))
+            tr.write_line(f"{verdict.upper():<12} {nodeid}" + (f"  ({detail})" if detail else ""))
         if self.session.regen:
             written = sum(1 for _, verdict, _ in self.lines if verdict == "regenerated")
             tr.write_line(f"{written} baseline(s) written to {self.session.baseline}")

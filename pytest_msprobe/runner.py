@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import fcntl
 import os
 import platform
+import shlex
 import shutil
 import sys
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_msprobe import __version__
 from pytest_msprobe.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root, read_manifest
-from pytest_msprobe.errors import BaselineError, ConfigError, DumpFormatError, DumpSizeError, MsprobeError
-from pytest_msprobe.settings import SessionSettings, TestSettings
+from pytest_msprobe.errors import (
+    BaselineError,
+    BaselineMismatchError,
+    ConfigError,
+    DumpFormatError,
+    DumpSizeError,
+    MsprobeError,
+)
+from pytest_msprobe.settings import SessionSettings, TestSettings, check_apart
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -44,9 +55,9 @@ class Outcome:
     reports: dict[str, str] = field(default_factory=dict)
 
 
-def check_baseline(folder: Path) -> None:
+def check_baseline(folder: Path, test: TestSettings | None = None) -> None:
     """Raise DumpFormatError or BaselineError, naming the file and the problem, when the baseline in ``folder``
-    cannot be compared.
+    cannot be compared, or (given the test's settings) does not fit the test.
 
     Checks every dump.json the compare would read, and the header of every tensor file they name, with the
     compare's own checks (:func:`~pytest_msprobe.compare.validate.validate`), and our manifest; run before the
@@ -54,8 +65,103 @@ def check_baseline(folder: Path) -> None:
     """
     from pytest_msprobe.compare.validate import validate
 
-    validate(folder)
-    read_manifest(folder)
+    check = validate(folder)
+    manifest = read_manifest(folder)
+    if test is not None:
+        problems = fit_problems(check, manifest, test)
+        if problems:
+            raise BaselineMismatchError(
+                f"the baseline {folder} does not fit this test: {'; '.join(problems)}"
+            )
+
+
+def _numbers(values: Any) -> str:
+    values = sorted(values)
+    return ", ".join(map(str, values)) if values else "none"
+
+
+def fit_problems(check: Any, manifest: dict[str, Any] | None, test: TestSettings) -> list[str]:
+    """How a baseline differs from what the test runs: steps and ranks from what the folder holds; task, level
+    and seed from our manifest, or for a plain msprobe dump from its dump.json files. Empty when it fits."""
+    problems: list[str] = []
+    locations = check.locations
+    steps = {loc.step for loc in locations}
+    if steps != set(test.steps):
+        problems.append(f"it holds steps {_numbers(steps)}, the test dumps steps {_numbers(test.steps)}")
+    expected = set(range(test.world_size))
+    for step in sorted(s for s in steps if s is not None):
+        ranks = {loc.rank or 0 for loc in locations if loc.step == step}
+        if ranks != expected:
+            problems.append(
+                f"its step {step} holds rank(s) {_numbers(ranks)}, the test runs world_size={test.world_size} "
+                f"(ranks {_numbers(expected)})"
+            )
+            break
+    if manifest is not None:
+        task, level = manifest.get("task"), manifest.get("level")
+    else:  # a plain msprobe dump: what its dump.json files say
+        tasks = {"tensor" if h.task == "tensor" else "md5" if h.md5 else "statistics" for h in check.headers}
+        levels = {h.level for h in check.headers if h.level is not None}
+        task = tasks.pop() if len(tasks) == 1 else None
+        level = levels.pop() if len(levels) == 1 else None
+    if task is not None and task != test.task:
+        problems.append(f"it was dumped with task {task}, the test runs task {test.task}")
+    if level is not None and level != test.level:
+        problems.append(f"it was dumped at level {level}, the test runs level {test.level}")
+    seed = manifest.get("seed") if manifest is not None else None
+    if seed is not None and seed != test.seed:
+        problems.append(f"it was made with seed {seed}, the test runs seed {test.seed}")
+    return problems
+
+
+def claim_folder(base: Path) -> tuple[Path, int | None]:
+    """A run's own output folder: ``base`` itself unless another live run holds it (the same test in another
+    xdist worker or pytest session), else the first free ``base~2``, ``base~3``...; with the descriptor that
+    holds it (an exclusive flock on the folder, released when closed).
+
+    ``~`` never appears in a test's folder name, so no other test's folder can be taken. On a file system
+    without flock every run gets a folder named after its process and a random tag.
+    """
+    for n in range(1, 10_000):
+        path = base if n == 1 else base.with_name(f"{base.name}~{n}")
+        for _ in range(3):  # the folder may be removed by its previous holder between open and lock
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError as exc:
+                raise ConfigError(
+                    f"{path}: cannot create the test's output folder ({exc.strerror or exc})"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                break  # held by a live run: try the next name
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                own = base.with_name(f"{base.name}~{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                own.mkdir(parents=True)
+                return own, None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except OSError:
+                same = False
+            if same:
+                return path, fd
+            os.close(fd)
+    raise ConfigError(f"{base}: no free output folder for this test")  # pragma: no cover
+
+
+def _clear(folder: Path) -> None:
+    """Remove what an earlier run left in ``folder`` (held by this run), keeping the folder."""
+    for child in list(folder.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                child.unlink()
 
 
 def _inside(path: str, folder: Path) -> bool:
@@ -68,10 +174,15 @@ def _inside(path: str, folder: Path) -> bool:
 class _NoDump:
     """The debugger of a run that compares nothing (no --msprobe-baseline): the training steps just run."""
 
+    current_step = 0
+
     def start(self, model: Any = None) -> None:
         pass
 
     def stop(self) -> None:
+        pass
+
+    def abort(self) -> None:
         pass
 
     def step(self) -> None:
@@ -171,26 +282,33 @@ class MsprobeRun:
         self.backend = backend  # of the process group, for a multi-rank test
         self.rank_process = rank is not None
         self.rank = rank if rank is not None else 0
-        folder = baseline_folder(nodeid)
-        self.output_dir = session.output / folder
-        self.dump_dir = dump_dir if dump_dir is not None else self.output_dir / "dump"
-        self.report_dir = self.output_dir / "compare"
-        self.ranks_dir = self.output_dir / "ranks"  # the rank processes' logs and results
+        self._in_step = False
+        self._lock: int | None = None  # holds this run's output folder (see claim_folder)
+        self.output_dir = session.output / baseline_folder(nodeid)
         self.store = BaselineStore(session.baseline) if session.baseline is not None else None
         self.baseline_dir = self.store.path_for(nodeid) if self.store is not None else None
+        if self.baseline_dir is not None:  # a baseline folder linked from elsewhere may hold the output
+            check_apart(session.output, self.baseline_dir)
         if self.store is not None and not session.regen and not self.rank_process:
             with self.store.reading(nodeid) as folder:
                 if is_dump_root(folder):
                     try:
-                        check_baseline(folder)
+                        check_baseline(folder, test)
+                    except BaselineMismatchError as exc:
+                        raise BaselineError(f"{exc}; regenerate it: {self.regen_command()}") from None
                     except (DumpFormatError, BaselineError) as exc:
                         raise BaselineError(f"unusable baseline: {exc}") from None
+        if session.active and not self.rank_process:
+            # a folder of its own: the same test in another worker or session never shares or clears it
+            self.output_dir, self._lock = claim_folder(self.output_dir)
+            _clear(self.output_dir)  # what an earlier run of this test left
+        self.dump_dir = dump_dir if dump_dir is not None else self.output_dir / "dump"
+        self.report_dir = self.output_dir / "compare"
+        self.ranks_dir = self.output_dir / "ranks"  # the rank processes' logs and results
         self.debugger: Any
         if session.active:
             from pytest_msprobe import PrecisionDebugger
 
-            if not self.rank_process:  # a rerun starts from an empty dump folder; ranks share the launcher's
-                shutil.rmtree(self.output_dir, ignore_errors=True)
             md5 = test.task == "md5"  # msprobe's form: task statistics with summary_mode md5
             self.debugger = PrecisionDebugger(
                 dump_path=str(self.dump_dir),
@@ -217,12 +335,29 @@ class MsprobeRun:
             raise ConfigError(
                 f"level {self.settings.level} dumps modules: pass the model, msprobe.step(model)"
             )
-        self.debugger.start(model) if needs_model else self.debugger.start()
+        if self._in_step:
+            raise ConfigError(
+                f"msprobe.step() inside msprobe.step() (step {self.debugger.current_step}): steps do not nest; "
+                "open one 'with msprobe.step(model):' per training step"
+            )
+        self._in_step = True
+        interrupted = True
         try:
+            self.debugger.start(model) if needs_model else self.debugger.start()
             yield
+            interrupted = False
+        except Exception:  # the body failed: the step's records are whole, they are written as usual
+            interrupted = False
+            raise
         finally:
-            self.debugger.stop()
-            self.debugger.step()
+            try:
+                if interrupted:  # Ctrl-C or a timeout at any point of the step: drop it, leave nothing behind
+                    self.debugger.abort()
+                else:
+                    self.debugger.stop()
+                    self.debugger.step()
+            finally:
+                self._in_step = False
 
     def manifest(self) -> Manifest:
         import torch
@@ -249,11 +384,17 @@ class MsprobeRun:
         )
 
     def close(self) -> None:
-        """After the test: release the debugger's hooks and put the process-wide deterministic switches back."""
+        """After the test: release the debugger's hooks, put the process-wide deterministic switches back and
+        let go of the output folder."""
         try:
             self.debugger.close()
         finally:
-            self._determinism.restore()
+            try:
+                self._determinism.restore()
+            finally:
+                lock, self._lock = self._lock, None
+                if lock is not None:
+                    os.close(lock)
 
     def finish(self) -> Outcome:
         """After the test body: close the debugger, then regenerate the baseline or compare against it.
@@ -274,6 +415,7 @@ class MsprobeRun:
                 f"{self.nodeid}: no step was dumped (steps {list(self.steps)}): wrap each training step in "
                 "'with msprobe.step(model):' or call msprobe.debugger.start()/stop()/step() around it"
             )
+        self._check_every_step()
         if self.session.regen:
             path = self.store.write(self.nodeid, self.dump_dir, self.manifest())
             self._drop_dump()  # the baseline is the copy
@@ -309,6 +451,30 @@ class MsprobeRun:
         message = failure_message(result, reports, baseline, self.regen_command())
         return Outcome(FAILED, message, baseline=baseline, result=result, reports=reports)
 
+    def _check_every_step(self) -> None:
+        """Every requested step (on every rank) is in the dump: a loop shorter than the steps asked for, or a
+        rank that stopped early, would otherwise store or compare fewer steps than the test names."""
+        from pytest_msprobe.compare.load import discover
+
+        try:
+            found = {(loc.step, loc.rank or 0) for loc in discover(self.dump_dir)}
+        except DumpFormatError as exc:
+            raise ConfigError(f"{self.nodeid}: the dump is incomplete: {exc}") from None
+        wanted = {(s, r) for s in self.steps for r in range(self.world_size)}
+        lacking = sorted(wanted - found)
+        if not lacking:
+            return
+        steps = sorted({s for s, _ in lacking})
+        ran = "" if self.world_size > 1 else f" (the loop ran {self.debugger.current_step} step(s))"
+        if self.world_size > 1 and len({r for _, r in lacking}) < self.world_size:
+            which = ", ".join(f"step {s} of rank {r}" for s, r in lacking[:8])
+        else:
+            which = f"step{'s' if len(steps) > 1 else ''} {_numbers(steps)}"
+        raise ConfigError(
+            f"{self.nodeid}: {which} never ran{ran}, though the test dumps steps {_numbers(self.steps)}: "
+            "run every requested step or change the marker's steps="
+        )
+
     def _drop_dump(self) -> None:
         """Remove this test's dump once it served (a pass, a regenerated baseline), unless asked to keep it."""
         if self.session.keep_dumps:
@@ -329,4 +495,9 @@ class MsprobeRun:
         return str(error)
 
     def regen_command(self) -> str:
-        return f"pytest '{self.nodeid}' --msprobe-baseline={self.session.baseline} --msprobe-regen-baseline"
+        """The command that regenerates this test's baseline, quoted for a POSIX shell."""
+        test = shlex.quote(self.nodeid)
+        if not test.startswith("'"):  # shlex leaves safe ids bare; quoted, they read the same
+            test = f"'{test}'"
+        baseline = shlex.quote(f"--msprobe-baseline={self.session.baseline}")
+        return f"pytest {test} {baseline} --msprobe-regen-baseline"

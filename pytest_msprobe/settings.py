@@ -120,26 +120,69 @@ def _path(value: Any, base: Path) -> Path:
     return path if path.is_absolute() else base / path
 
 
+def _given(value: Any, where: str) -> str:
+    """An option's text, refused when empty: ``--msprobe-baseline=`` is what an unset CI variable gives, and
+    taking it for "no baseline" would turn the gate off without a word."""
+    text = os.fspath(value)
+    if not text.strip():
+        raise ConfigError(
+            f"{where} is empty (an unset variable in the CI script?): give a folder, or leave the option out"
+        )
+    return text
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def check_apart(output: Path, baseline: Path, what: str = "the output folder") -> None:
+    """Refuse an output folder that is, holds or lies inside a baseline folder: a run clears its output
+    folders, and would delete the baselines it is meant to compare with."""
+    out, base = _real(output), _real(baseline)
+    if out == base or out.is_relative_to(base) or base.is_relative_to(out):
+        relation = "is" if out == base else "lies inside" if out.is_relative_to(base) else "holds"
+        raise ConfigError(
+            f"{what} {output} {relation} the baseline folder {baseline}: the run would delete baselines; "
+            "give --msprobe-output a folder of its own"
+        )
+
+
 def resolve_session(cli: Getter, ini: Getter, invocation_dir: Path, ini_dir: Path) -> SessionSettings:
     """Session settings; command-line paths are relative to where pytest was started, ini paths to the ini file."""
     baseline_cli, baseline_ini = cli("msprobe_baseline"), ini("msprobe_baseline")
-    if baseline_cli:
-        baseline: Path | None = _path(baseline_cli, invocation_dir)
-    elif baseline_ini:
-        baseline = _path(baseline_ini, ini_dir)
+    if baseline_cli is not None:
+        baseline: Path | None = _path(_given(baseline_cli, "--msprobe-baseline"), invocation_dir)
+    elif isinstance(baseline_ini, str):  # set in the ini file, even to nothing
+        baseline = _path(_given(baseline_ini, "ini msprobe_baseline"), ini_dir)
     else:
         baseline = None
     regen = bool(cli("msprobe_regen_baseline")) or _truthy(
         ini("msprobe_regen_baseline") or False, "ini msprobe_regen_baseline"
     )
     output_cli, output_ini = cli("msprobe_output"), ini("msprobe_output")
-    output = _path(output_cli, invocation_dir) if output_cli else _path(output_ini or DEFAULT_OUTPUT, ini_dir)
+    if output_cli is not None:
+        output = _path(_given(output_cli, "--msprobe-output"), invocation_dir)
+    elif isinstance(output_ini, str):
+        output = _path(_given(output_ini, "ini msprobe_output"), ini_dir)
+    else:
+        output = _path(DEFAULT_OUTPUT, ini_dir)
+    if cli("msprobe_device") is not None:
+        _given(cli("msprobe_device"), "--msprobe-device")
     device = str(cli("msprobe_device") or ini("msprobe_device") or "auto").strip()
     if device.partition(":")[0].lower() not in DEVICE_CHOICES:
         where = "--msprobe-device" if cli("msprobe_device") else "ini msprobe_device"
         raise ConfigError(f"{where}: unknown device {device!r}, expected one of {', '.join(DEVICE_CHOICES)}")
     if regen and baseline is None:
         raise ConfigError("--msprobe-regen-baseline needs --msprobe-baseline=DIR (or ini msprobe_baseline)")
+    if baseline is not None:
+        where = (
+            "--msprobe-output"
+            if output_cli is not None
+            else "ini msprobe_output"
+            if isinstance(output_ini, str)
+            else f"the output folder (default {DEFAULT_OUTPUT})"
+        )
+        check_apart(output, baseline, where)
     keep_dumps = bool(cli("msprobe_keep_dumps")) or _truthy(
         ini("msprobe_keep_dumps") or False, "ini msprobe_keep_dumps"
     )

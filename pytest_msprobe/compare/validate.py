@@ -39,12 +39,23 @@ _Tensor = tuple[str, str, tuple[int, ...]]  # data_name, dtype, shape
 
 
 @dataclass(frozen=True)
+class DumpHeader:
+    """What one dump.json says it holds: its task and level, and whether its records carry md5 CRCs."""
+
+    location: DumpLocation
+    task: str
+    level: str | None
+    md5: bool
+
+
+@dataclass(frozen=True)
 class DumpCheck:
     """What :func:`validate` checked: every dump.json found, the API calls they hold, the tensor files opened."""
 
     locations: tuple[DumpLocation, ...]
     calls: int
     tensor_files: int
+    headers: tuple[DumpHeader, ...] = ()
 
 
 def validate(path: str | os.PathLike[str]) -> DumpCheck:
@@ -59,21 +70,24 @@ def validate(path: str | os.PathLike[str]) -> DumpCheck:
     """
     locations = discover(path)
     calls = files = 0
+    headers = []
     for location in locations:
         data, task, level = check_document(location.path, read_json(location.path))
         calls += len(data)
         tensors: list[_Tensor] = []
+        md5: list[bool] = []
         for name, body in data.items():
             try:
-                _scan_entry(name, body, tensors)
+                _scan_entry(name, body, tensors, md5)
             except (TypeError, ValueError, KeyError, RecursionError) as exc:
                 raise DumpFormatError(location.path, _problem(name, body, exc)) from None
+        headers.append(DumpHeader(location, task, level, bool(md5)))
         if tensors:
             dump = Dump(location, task, level, False, ())
             for data_name, dtype, shape in tensors:
                 open_tensor(tensor_path(dump, data_name), dtype, shape)
             files += len(tensors)
-    return DumpCheck(tuple(locations), calls, files)
+    return DumpCheck(tuple(locations), calls, files, tuple(headers))
 
 
 def _problem(name: str, body: Any, exc: BaseException) -> str:
@@ -85,21 +99,22 @@ def _problem(name: str, body: Any, exc: BaseException) -> str:
     return malformed(name, exc)
 
 
-def _scan_entry(name: str, body: Any, tensors: list[_Tensor]) -> None:
-    """:func:`~pytest_msprobe.compare.load.flatten_entry`'s walk, checking records and building no rows."""
+def _scan_entry(name: str, body: Any, tensors: list[_Tensor], md5: list[bool]) -> None:
+    """:func:`~pytest_msprobe.compare.load.flatten_entry`'s walk, checking records and building no rows
+    (``md5`` gets an item when a record carries a CRC)."""
     if type(body) is not dict:
         raise ValueError(f"{name}: entry is not an object")
     if is_parameters_grad(name):
         for value in body.values():
             for item in value if type(value) is list else [value]:
-                _scan(item, 1, tensors)
+                _scan(item, 1, tensors, md5)
         return
     for key in _ROW_KEYS:
         if key in body:
-            _scan(body[key], 0, tensors)
+            _scan(body[key], 0, tensors, md5)
 
 
-def _scan(node: Any, depth: int, tensors: list[_Tensor]) -> None:
+def _scan(node: Any, depth: int, tensors: list[_Tensor], md5: list[bool]) -> None:
     if depth > MAX_DEPTH:
         raise ValueError("nested too deeply")
     kind = type(node)
@@ -109,9 +124,11 @@ def _scan(node: Any, depth: int, tensors: list[_Tensor]) -> None:
             if shape is not None and data_name:
                 assert dtype is not None
                 tensors.append((data_name, dtype, shape))
+            if not md5 and "md5" in node:
+                md5.append(True)
             return
         for value in node.values():
-            _scan(value, depth + 1, tensors)
+            _scan(value, depth + 1, tensors, md5)
     elif kind is list:
         for value in node:
-            _scan(value, depth + 1, tensors)
+            _scan(value, depth + 1, tensors, md5)
