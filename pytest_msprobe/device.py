@@ -85,4 +85,6 @@ def describe_device(device: torch.device) -> str:
         npu = getattr(torch, "npu", None)
         name = npu.get_device_name(device) if npu is not None else "Ascend NPU"
         return f"{device} ({name})"
-    return f"cpu ({platform.machine() or 'unknown'}, {torch.get_num_threads()} threads)"
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()  # the kernels' vector ISA
+    isa = f", {capability}" if capability else ""
+    return f"cpu ({platform.machine() or 'unknown'}{isa}, {torch.get_num_threads()} threads)"
