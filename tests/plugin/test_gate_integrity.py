@@ -295,11 +295,13 @@ def test_a_requested_step_that_never_ran_fails_in_regen_and_in_compare(
     train_test(f"@pytest.mark.msprobe(steps={steps})")
     if mode == "compare":
         body = (
-            (pytester.path / "test_train.py").read_text().replace("train(msprobe)\n", "train(msprobe, 3)\n")
+            (pytester.path / "test_train.py")
+            .read_text()
+            .replace("    train(msprobe)", "    train(msprobe, 3)")
         )
         (pytester.path / "test_train.py").write_text(body)
         _regen(pytester)
-        body = body.replace("train(msprobe, 3)\n", f"train(msprobe, {loop})\n")
+        body = body.replace("train(msprobe, 3)", f"train(msprobe, {loop})")
         (pytester.path / "test_train.py").write_text(body)
         args = ["--msprobe-baseline=bl"]
     else:
@@ -387,7 +389,7 @@ def test_the_summary_of_a_test_that_compared_nothing_says_why(pytester: pytest.P
 
 
 @pytest.mark.parametrize(
-    "param", ["it's", "two words", "$(touch pwned)", "`touch pwned2`", 'a"b', "back\\slash"], ids=range(6)
+    "param", ["it's", "two words", "$(touch pwned)", "`touch pwned2`", 'a"b; touch pwned3'], ids=range(5)
 )
 def test_the_regenerate_command_is_quoted_for_the_shell(
     pytester: pytest.Pytester, train_source: str, param: str
