@@ -230,3 +230,63 @@ def test_a_read_only_root_refuses_a_first_baseline_by_name(
         "no baseline was written"
     )
     assert list(root.iterdir()) == []
+
+
+def test_a_full_disk_is_named_by_the_baseline_folder_and_its_file_system_not_the_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    store = BaselineStore(tmp_path / "b")
+    final = store.write("t.py::test", _dump(tmp_path / "d1", "old"), _manifest())
+    source = _dump(tmp_path / "d2", "new")
+
+    def copy_on_a_full_disk(src: str, dst: str, **kw: object) -> object:
+        # what shutil's sendfile copy raises: the error carries the source file's name
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), src)
+
+    monkeypatch.setattr(shutil, "copyfile", copy_on_a_full_disk)
+    with pytest.raises(BaselineError) as info:
+        store.write("t.py::test", source, _manifest())
+    monkeypatch.undo()
+    message = str(info.value)
+    assert str(source) not in message
+    mount = Path(tmp_path)
+    while mount.parent != mount and os.stat(mount.parent).st_dev == os.stat(tmp_path).st_dev:
+        mount = mount.parent
+    assert message.startswith(
+        f"{final}: cannot write the baseline (No space left on device at {final.parent}: the file system "
+        f"mounted at {mount} is full, "
+    )
+    assert message.endswith(" free); the previous baseline is unchanged")
+    assert json.loads((final / "step0/rank/dump.json").read_text())["marker"] == "old"
+
+
+@pytest.mark.parametrize("kind", ["existing", "dangling"])
+def test_a_linked_baseline_folder_is_written_where_it_points_and_the_link_stays(
+    tmp_path: Path, kind: str
+) -> None:
+    store = BaselineStore(tmp_path / "b")
+    link = tmp_path / "b" / "t" / "test"
+    link.parent.mkdir(parents=True)
+    target = tmp_path / "elsewhere" / "test"
+    if kind == "existing":
+        store_elsewhere = BaselineStore(tmp_path / "x")
+        old = store_elsewhere.write("t.py::test", _dump(tmp_path / "d0", "old"), _manifest())
+        target = old
+    os.symlink(target, link)
+    for marker in ("new", "newer"):
+        written = store.write("t.py::test", _dump(tmp_path / f"d-{marker}", marker), _manifest())
+        assert written == target and os.path.islink(link) and os.readlink(link) == str(target)
+        assert json.loads((link / "step0/rank/dump.json").read_text())["marker"] == marker
+        assert [p.name for p in link.parent.iterdir()] == ["test"], "nothing hidden left beside the link"
+        assert [p.name for p in target.parent.iterdir()] == [target.name], "nothing left beside the target"
+    assert store.path_for("t.py::test") == target
+
+
+def test_a_baseline_folder_that_is_a_link_loop_is_refused(tmp_path: Path) -> None:
+    link = tmp_path / "b" / "t" / "test"
+    link.parent.mkdir(parents=True)
+    os.symlink(link, link)
+    with pytest.raises(BaselineError, match="symbolic link that cannot be followed"):
+        BaselineStore(tmp_path / "b").write("t.py::test", _dump(tmp_path / "d", "x"), _manifest())
