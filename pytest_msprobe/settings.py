@@ -174,6 +174,8 @@ def resolve_session(cli: Getter, ini: Getter, invocation_dir: Path, ini_dir: Pat
         raise ConfigError(f"{where}: unknown device {device!r}, expected one of {', '.join(DEVICE_CHOICES)}")
     if regen and baseline is None:
         raise ConfigError("--msprobe-regen-baseline needs --msprobe-baseline=DIR (or ini msprobe_baseline)")
+    if baseline is not None and os.path.exists(baseline) and not os.path.isdir(baseline):
+        raise ConfigError(f"the baseline folder {baseline} is a file, not a folder")
     if baseline is not None:
         where = (
             "--msprobe-output"

@@ -97,6 +97,13 @@ def test_an_empty_option_is_a_usage_error_not_an_off_switch(
     _usage_error(result, f"*{name} is empty (an unset variable in the CI script?)*")
 
 
+def test_a_baseline_option_naming_a_file_is_a_usage_error(pytester: pytest.Pytester, train_test) -> None:
+    train_test()
+    (pytester.path / "bl").write_text("")
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=bl")
+    _usage_error(result, f"*the baseline folder {pytester.path / 'bl'} is a file, not a folder*")
+
+
 def test_an_empty_ini_baseline_is_a_usage_error(pytester: pytest.Pytester, train_test) -> None:
     train_test()
     pytester.makeini("[pytest]\nmsprobe_baseline =\n")
