@@ -42,8 +42,10 @@ from pytest_msprobe.compare.result import (
     WARNING,
     ApiResult,
     CompareResult,
+    Coverage,
     Divergence,
     DumpPair,
+    PairCoverage,
     RowResult,
 )
 from pytest_msprobe.compare.tensorfile import open_tensor
@@ -113,6 +115,7 @@ def compare(
             raise DumpFormatError(part[0], part[1])
         builder.merge(part)
     rows, apis, feeds, peers = builder.finish()
+    coverage = measure_coverage(rows, apis, builder.pairs, thresholds.max_unmatched)
     divergence = first_divergence(apis, rows, feeds, thresholds.amplification, builder.opaque, peers)
     divergence = structural_divergence(divergence, apis, rows, builder.structural)
     stacks: dict[str, tuple[str, ...]] = {}
@@ -136,8 +139,49 @@ def compare(
         missing=tuple(missing),
         thresholds=thresholds,
         timestamp=datetime.datetime.now().strftime("%Y%m%d%H%M%S"),
+        coverage=coverage,
         stacks=stacks,
     )
+
+
+FIRST_UNMATCHED = 5  # unmatched baseline calls a coverage failure names
+
+
+def measure_coverage(
+    rows: Sequence[RowResult], apis: Sequence[ApiResult], pairs: Sequence[DumpPair], limit: float
+) -> Coverage:
+    """How much of each dump pair's baseline found a partner in the target, against ``limit`` (a share of
+    the pair's baseline rows). A call only the target makes counts nowhere: nothing in the baseline asked
+    for it. A paired call's baseline items that the target lacks (an output more on the baseline) count."""
+    calls = [0] * len(pairs)
+    calls_unmatched = [0] * len(pairs)
+    counted = [0] * len(pairs)
+    unmatched = [0] * len(pairs)
+    for api in apis:
+        if api.bench_api is None:  # only in the target
+            continue
+        p = api.pair
+        calls[p] += 1
+        if api.status == UNMATCHED:
+            calls_unmatched[p] += 1
+        for i in api.rows:
+            row = rows[i]
+            if row.baseline is not None:
+                counted[p] += 1
+                if row.target is None:
+                    unmatched[p] += 1
+    per_pair = tuple(
+        PairCoverage(pair.step, pair.rank, calls[p], calls_unmatched[p], counted[p], unmatched[p])
+        for p, pair in enumerate(pairs)
+    )
+    over = tuple(p for p, c in enumerate(per_pair) if c.share > limit)
+    chosen = set(over)
+    lonely = sorted(
+        (api.order, i)
+        for i, api in enumerate(apis)
+        if api.pair in chosen and api.status == UNMATCHED and api.bench_api is not None
+    )
+    return Coverage(limit, per_pair, over, tuple(i for _, i in lonely[:FIRST_UNMATCHED]))
 
 
 def default_jobs() -> int:

@@ -9,7 +9,9 @@ import re
 
 from pytest_msprobe.compare.load import OUTPUT
 from pytest_msprobe.compare.ranks import collective_op
-from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Divergence
+from pytest_msprobe.compare.result import ERROR, UNMATCHED_CAUSES, ApiResult, CompareResult, Divergence
+from pytest_msprobe.compare.thresholds import format_share
+from pytest_msprobe.report.summary import first_unmatched_text
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
 _NONDETERMINISTIC = re.compile(
@@ -128,10 +130,25 @@ def _other_ranks(result: CompareResult, fd: Divergence) -> str | None:
     return text + "."
 
 
+def coverage_advice(result: CompareResult) -> str | None:
+    """What a compare that paired too little of the baseline means and what to try; None when it paired enough."""
+    cov = result.coverage
+    if cov.headline is None:
+        return None
+    headline = cov.headline[0].upper() + cov.headline[1:]
+    return (
+        f"{headline}: the compare cannot vouch for a run it could not pair. The usual causes: "
+        f"{'; '.join(UNMATCHED_CAUSES)}. Dump both runs from the same script and level; if the two really "
+        f"make different calls (a CPU baseline for a CUDA run: the optimizer's calls differ), raise "
+        f"max_unmatched (unmatched now: {format_share(cov.share)} of the baseline's rows)."
+    )
+
+
 def advisor_text(result: CompareResult) -> str:
     """The advisor file's content."""
     fd = result.first_divergence
     counts = result.counts()
+    uncovered = coverage_advice(result)
     if fd is None:
         compared = counts["rows"] - counts["unmatched"] - counts["skipped"]
         note = (
@@ -140,6 +157,17 @@ def advisor_text(result: CompareResult) -> str:
         )
         if counts["warning"]:
             note += " Warnings are rows close to their threshold or with a dtype/requires_grad difference."
+        if uncovered is not None:
+            firsts = result.coverage.first_unmatched
+            line, node = "N/A", "N/A"
+            if (
+                firsts
+            ):  # the first baseline call the target does not make, as the row where the sheet shows it
+                line, node = str(result.apis[firsts[0]].row_start + 2), result.apis[firsts[0]].api
+            return (
+                f"Line: {line}\nSuspect Nodes: {node}\nExpert Advice: {uncovered}\n\n{_unmatched_calls(result)}"
+                f"Of the rows paired: {note[0].lower()}{note[1:]}\n{_missing_text(result)}"
+            )
         return f"Line: N/A\nSuspect Nodes: N/A\nExpert Advice: {note}\n{_missing_text(result)}"
     lines = [
         f"Line: {fd.row_index + 2}",
@@ -151,12 +179,21 @@ def advisor_text(result: CompareResult) -> str:
         f"{len(result.failures)} API call(s) breach in total, "
         f"{counts['apis_warning']} with warnings, {counts['apis_unmatched']} not matched.",
     ]
-    suspect = result.apis[fd.api_index]
-    later = [a for a in result.failures if a is not suspect][:10]
+    breached = result.apis[fd.api_index]
+    later = [a for a in result.failures if a is not breached][:10]
     if later:
         lines.append("Other breaching calls (execution order; most follow from the first):")
         lines.extend(f"  {a.api} (step {a.step}, rank {a.rank}): {a.reason}" for a in later)
+    if uncovered is not None:
+        lines.extend(["", uncovered, _unmatched_calls(result).rstrip("\n")])
     return "\n".join(lines) + "\n" + _missing_text(result)
+
+
+def _unmatched_calls(result: CompareResult) -> str:
+    """A line naming the first baseline calls without a partner (of a compare that paired too little)."""
+    if not result.coverage.first_unmatched:
+        return ""
+    return f"First baseline calls without a partner (execution order): {first_unmatched_text(result)}.\n"
 
 
 def _missing_text(result: CompareResult) -> str:

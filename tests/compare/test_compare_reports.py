@@ -137,8 +137,18 @@ def test_advisor_when_everything_passes(tmp_path: Path) -> None:
 def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> None:
     result, paths = reported
     doc = json.loads(Path(paths["summary"]).read_text())
-    assert set(doc) == {"passed", "first_divergence", "failures", "missing", "ranks", "counts"}
+    assert set(doc) == {"passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts"}
     assert doc["missing"] == []
+    cov = doc["coverage"]
+    assert (cov["passed"], cov["max_unmatched"], cov["reason"], cov["over"], cov["first_unmatched"]) == (
+        True,
+        0.05,
+        None,
+        [],
+        [],
+    )
+    assert cov["baseline_rows"] == sum(1 for r in result.rows if r.baseline is not None)
+    assert cov["unmatched_rows"] == sum(1 for r in result.rows if r.baseline is not None and r.target is None)
     assert doc["ranks"] == [
         {
             "rank": 0,
