@@ -38,7 +38,7 @@ from pytest_msprobe.compare.result import (
     RowResult,
     worst,
 )
-from pytest_msprobe.compare.thresholds import Tolerance, normalize_dtype
+from pytest_msprobe.compare.thresholds import Tolerance, is_integral, normalize_dtype
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,68 @@ def _tensor_notes(check: Check, target: Leaf, baseline: Leaf) -> Check:
     return check
 
 
+# statistics a dump may leave null for a non-empty tensor, by dtype: msprobe gives bool tensors only any/all (as
+# Max/Min), integer tensors no Mean/Norm in 26.x, float64 tensors no Mean/Norm in some versions; complex ones
+# get no Norm. Max and Min every dump gives (an empty tensor has none at all).
+_MAX_MIN = (0, 1)
+_ALL_FOUR = (0, 1, 2, 3)
+
+
+def required_statistics(dtype: str | None) -> tuple[int, ...]:
+    """Indices (into STAT_NAMES) of the statistics every dump gives a non-empty tensor of ``dtype``."""
+    name = normalize_dtype(dtype)
+    if name is None or is_integral(name) or name == "float64" or name.startswith("complex"):
+        return _MAX_MIN
+    if name.startswith(("float", "bfloat")):
+        return _ALL_FOUR
+    return _MAX_MIN  # a dtype we do not know: only what every dump gives
+
+
+def _numel(leaf: Leaf) -> int | None:
+    return None if leaf.shape is None else math.prod(leaf.shape)
+
+
+def unusable_statistics(leaf: Leaf, side: str) -> str | None:
+    """Why the statistics of a non-empty tensor record cannot be compared (None when they can): a statistic
+    that is NaN, or one every dump gives that is null. ``side`` is "baseline" or "target"."""
+    if not _numel(leaf):  # empty (or of unknown shape): nothing to summarise
+        return None
+    nan = [STAT_NAMES[i] for i, v in enumerate(leaf.stats) if v is not None and math.isnan(v)]
+    missing = [STAT_NAMES[i] for i in required_statistics(leaf.dtype) if leaf.stats[i] is None]
+    if side == "baseline":
+        if nan:
+            return (
+                f"the baseline's {_names(nan)} {'is' if len(nan) == 1 else 'are'} NaN for this non-empty tensor: "
+                "the baseline itself overflowed, so it cannot be a reference; regenerate it from a healthy run"
+            )
+        if missing:
+            return (
+                f"the baseline has no {_names(missing)} (null) for this non-empty {leaf.dtype} tensor: it lacks "
+                "statistics, so it cannot be a reference; regenerate it"
+            )
+        return None
+    if missing:  # (NaN in the target is a difference, judged as one)
+        return (
+            f"the target has no {_names(missing)} (null) for this non-empty {leaf.dtype} tensor: it lacks "
+            "statistics, so it cannot be compared; dump it again"
+        )
+    return None
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _unusable(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check | None:
+    """An error check when either side's statistics cannot be compared (the baseline's first: a baseline that
+    cannot be a reference is the problem to fix, whatever the target holds)."""
+    why = unusable_statistics(baseline, "baseline") or unusable_statistics(target, "target")
+    if why is None:
+        return None
+    # no error is measured: the row breaches without a number, and feeds no input/output error
+    return _tensor_notes(Check(ERROR, None, tol.error, why), target, baseline)
+
+
 def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
     """Two tensors by their Max / Min / Mean / Norm."""
     if target.shape != baseline.shape:
@@ -155,6 +217,9 @@ def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
             target,
             baseline,
         )
+    unusable = _unusable(target, baseline, tol)
+    if unusable is not None:
+        return unusable
     metrics = stat_metrics(target.stats, baseline.stats)
     if metrics.error is None:
         return _tensor_notes(
@@ -259,6 +324,9 @@ def check_md5(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
         return check_statistics(target, baseline, tol)
     if target.shape != baseline.shape:
         return check_statistics(target, baseline, tol)
+    why = unusable_statistics(baseline, "baseline")  # equal CRCs of an overflowed baseline prove nothing
+    if why is not None:
+        return _tensor_notes(Check(ERROR, None, tol.error, why), target, baseline)
     if target.md5 == baseline.md5:
         return _tensor_notes(Check(PASS, 0.0, 0.0), target, baseline)
     metrics = stat_metrics(target.stats, baseline.stats)
@@ -405,10 +473,16 @@ def first_divergence(
             group = {apis[j].rank for j in peers.get(i, ())} | {api.rank}
             ranks = sorted(r for r in group if r is not None)
             inputs = f"its inputs on ranks {', '.join(map(str, ranks))}" if len(ranks) > 1 else "its inputs"
-            why = (
-                f"its output differs ({_suffix(api, rows, row)}: {rows[row].reason}) while {inputs} match "
-                f"the baseline: the error enters here"
-            )
+            if rows[row].error is None:  # not a measured difference: the record itself cannot be compared
+                why = (
+                    f"its output cannot be compared ({_suffix(api, rows, row)}: {rows[row].reason}) while {inputs} "
+                    "match the baseline: the first row to fix is here"
+                )
+            else:
+                why = (
+                    f"its output differs ({_suffix(api, rows, row)}: {rows[row].reason}) while {inputs} match "
+                    f"the baseline: the error enters here"
+                )
             return make(i, "enters", why)
     for i in breaching:
         in_err, _, _ = effective_inputs(i)

@@ -41,7 +41,18 @@ def advice(result: CompareResult, fd: Divergence) -> str:
     row = result.rows[fd.row_index]
     backward = api.direction == "backward" or ".parameters_grad" in api.api
     text: list[str] = []
-    if fd.rule == "enters":
+    if row.status == ERROR and row.error is None and row.stat is None and row.tensor is None:
+        # no difference was measured: a record of one side cannot be compared (NaN or missing statistics)
+        text.append(f"{row.row} cannot be compared: {row.reason}.")
+        if row.reason.startswith("the baseline"):
+            text.append(
+                "A baseline is a reference only where its numbers are sound: regenerate it from a run that does "
+                "not overflow (on the reference device, with the same code), or skip this API with a rule if "
+                "its overflow is part of the model."
+            )
+        else:
+            text.append("Dump the target again with statistics on (task statistics or md5).")
+    elif fd.rule == "enters":
         if backward:
             text.append(
                 f"{api.api} turns matching incoming gradients (and matching forward tensors) into different "

@@ -20,6 +20,8 @@ from pytest_msprobe.report.summary import coverage_lines, rank_line
 
 def row_metric(row: RowResult) -> str:
     """Which metric judged the row: the worst statistic in statistics mode, the scaled error otherwise."""
+    if row.error is None and row.stat is None and row.tensor is None and row.status == ERROR:
+        return "statistics"  # NaN or missing statistics: nothing measured
     if row.stat is not None and row.stat.worst is not None:
         return f"{STAT_NAMES[row.stat.worst]} (scaled)"
     if row.tensor is not None:
