@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from pytest_msprobe.compare.align import Alignment, align
@@ -106,6 +107,7 @@ def compare(
         raise ConfigError(f"jobs must be a whole number >= 1, got {jobs!r}")
     thresholds = thresholds or Thresholds()
     t_locs, b_locs = discover(target), discover(baseline)
+    refuse_self_compare(t_locs, b_locs, target, baseline)
     pairs, unpaired, missing = _pair_locations(t_locs, b_locs, target, baseline)
     builder = _Builder(thresholds, mode)
     for part in _compare_pairs(
@@ -182,6 +184,30 @@ def measure_coverage(
         if api.pair in chosen and api.status == UNMATCHED and api.bench_api is not None
     )
     return Coverage(limit, per_pair, over, tuple(i for _, i in lonely[:FIRST_UNMATCHED]))
+
+
+def refuse_self_compare(
+    t_locs: Sequence[DumpLocation], b_locs: Sequence[DumpLocation], target: Any, baseline: Any
+) -> None:
+    """Refuse a compare of a dump with itself (the same folder, a link to it, a folder inside it): it passes
+    whatever the dump holds, and proves nothing. Files are the same when the file system says so."""
+
+    def identity(path: Path) -> tuple[int, int] | None:
+        try:
+            info = os.stat(path)
+        except OSError:  # (reading it reports the problem)
+            return None
+        return info.st_dev, info.st_ino
+
+    in_baseline = {identity(loc.path) for loc in b_locs} - {None}
+    shared = [loc.path for loc in t_locs if identity(loc.path) in in_baseline]
+    if shared:
+        more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
+        raise ConfigError(
+            f"TARGET {os.fspath(target)} and BASELINE {os.fspath(baseline)} are the same dump (both read "
+            f"{shared[0]}{more}): comparing a dump with itself proves nothing; compare the run under test with "
+            "a baseline from another run"
+        )
 
 
 def default_jobs() -> int:

@@ -669,7 +669,7 @@ def test_no_partial_report_when_writing_fails(tmp_path: Path, monkeypatch: pytes
     """A failure after the xlsx is written (disk full at the advisor) leaves no report at all."""
     import pytest_msprobe.report as report
 
-    result = compare(BENCH_STAT, BENCH_STAT)
+    result = compare(shutil.copytree(BENCH_STAT, tmp_path / "again"), BENCH_STAT)
     real = report.write_text
 
     def full_disk(path: Any, text: str) -> None:
