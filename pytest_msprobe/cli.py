@@ -194,9 +194,13 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         stacks = {name: tuple(frames) for name, frames in read_stack_file(Path(stack_path)).items()}
         result = dataclasses.replace(result, stacks={**stacks, **result.stacks})
     paths = write_reports(result, args.output_path)
+    code = 0 if result.passed else 1
     if not args.quiet:
-        print(console_summary(result, paths))
-    return 0 if result.passed else 1
+        try:
+            print(console_summary(result, paths), flush=True)
+        except BrokenPipeError:  # (piped into head): the verdict stands, the rest of the text has no reader
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return code
 
 
 def refuse_output_inside(out: str, target: str, baseline: str) -> None:

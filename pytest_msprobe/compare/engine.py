@@ -60,6 +60,7 @@ from pytest_msprobe.compare.verdict import (
     check_unmatched,
     finish,
     first_divergence,
+    other_shape,
     summarize_api,
 )
 from pytest_msprobe.errors import ConfigError, DumpFormatError
@@ -877,6 +878,11 @@ def structural_divergence(
     first_error = min((api.order for api in apis if api.status == ERROR), default=None)
     if first_error is None:
         return divergence
+    if divergence.rule == "inherited" and any(
+        rows[j].role != OUTPUT and rows[j].status == ERROR and other_shape(rows[j])
+        for j in apis[divergence.api_index].rows
+    ):
+        return divergence  # inputs of other shapes: another model or data, more than a call added or removed
     before = [(apis[c].order, source) for c, source in structural.items() if apis[c].order <= first_error]
     if not before:
         return divergence

@@ -255,11 +255,14 @@ def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
     reason = ""
     if status != PASS and worst_i is not None:
         name = STAT_NAMES[worst_i]
-        scale = "its value" if worst_i == 3 else "the tensor's range"
-        reason = (
-            f"{name} differs by {fmt_number(metrics.scaled[worst_i])} of {scale} "
-            f"({_fmt6(baseline.stats[worst_i])} -> {_fmt6(target.stats[worst_i])}; allowed {fmt_number(tol.error)})"
-        )
+        scaled = metrics.scaled[worst_i]
+        values = f"{_fmt6(baseline.stats[worst_i])} -> {_fmt6(target.stats[worst_i])}"
+        if scaled is not None and math.isinf(scaled):  # nothing finite to scale the difference by
+            scale = "the Norms are not finite" if worst_i == 3 else "the tensor's Max and Min are not finite"
+            reason = f"{name} differs ({values}; allowed {fmt_number(tol.error)} of a scale, and {scale})"
+        else:
+            scale = "its value" if worst_i == 3 else "the tensor's range"
+            reason = f"{name} differs by {fmt_number(scaled)} of {scale} ({values}; allowed {fmt_number(tol.error)})"
     check = Check(status, error, tol.error, reason, stat=metrics)
     if metrics.nonfinite == "same":
         check = _escalate(check, WARNING, "NaN/Inf in the same statistics on both sides")
@@ -404,6 +407,12 @@ def _worst_output_row(api: ApiResult, rows: Sequence[RowResult]) -> int:
     return max(candidates, key=lambda i: (rows[i].error or 0.0, -i))
 
 
+def other_shape(row: RowResult) -> bool:
+    """Whether a row's two tensors have other shapes (never a matter of precision)."""
+    t, b = row.target, row.baseline
+    return t is not None and b is not None and t.kind == TENSOR and b.kind == TENSOR and t.shape != b.shape
+
+
 def _suffix(api: ApiResult, rows: Sequence[RowResult], i: int) -> str:
     return rows[i].row[len(api.api) :] if rows[i].row.startswith(api.api) else rows[i].row
 
@@ -487,14 +496,22 @@ def first_divergence(
     for i in breaching:
         in_err, _, _ = effective_inputs(i)
         out_err = apis[i].output_error
-        if in_err and out_err is not None and out_err >= amplification * in_err:
-            ratio = out_err / in_err
-            why = (
-                f"errors already flow into every call; here the output error {fmt_number(out_err)} is "
-                f"{'inf' if math.isinf(ratio) else f'{ratio:.0f}'}x the input error {fmt_number(in_err)}: "
-                "the error grows here"
+        # a ratio means something only for a finite input error: inputs that differ beyond measure (another
+        # shape, NaN/Inf on one side) cannot show the error growing
+        if not in_err or not math.isfinite(in_err) or out_err is None or out_err < amplification * in_err:
+            continue
+        if math.isfinite(out_err):
+            growth = (
+                f"the output error {fmt_number(out_err)} is {out_err / in_err:.0f}x the input error "
+                f"{fmt_number(in_err)}"
             )
-            return make(i, "grows", why)
+        else:
+            growth = (
+                f"the output differs beyond measure (NaN/Inf on one side only, or another shape) while the input "
+                f"error is {fmt_number(in_err)}"
+            )
+        why = f"errors already flow into every call; here {growth}: the error grows here"
+        return make(i, "grows", why)
     inherited = breaching or [i for _, i in compared if apis[i].status == ERROR]
     if not inherited:
         return None
@@ -512,9 +529,24 @@ def first_divergence(
             i, "inherited", "its inputs cannot be compared, and no call's error is shown to enter later"
         )
     first_in = in_rows[0]
-    why = (
-        f"its inputs already differ ({rows[first_in].row}): the error entered before this dump (an earlier "
-        f"step, the weights or the data), and no later call's output error is {amplification:g}x its input error"
-    )
+    reshaped = [j for j in in_rows if other_shape(rows[j])]
+    if reshaped:  # a shape is not a matter of precision
+        first_in = reshaped[0]
+        why = (
+            f"its inputs have other shapes ({rows[first_in].row}: {rows[first_in].reason}): the two dumps may not "
+            "come from the same model or data (another architecture, other layer sizes, another batch), so no "
+            "call's error can be shown to enter or grow"
+        )
+    elif all(rows[j].error is not None and math.isinf(rows[j].error or 0.0) for j in in_rows):
+        why = (
+            f"its inputs differ beyond measure ({rows[first_in].row}: {rows[first_in].reason}): one run "
+            "overflowed before this dump (dump an earlier step), so no call's error can be shown to enter or grow"
+        )
+    else:
+        why = (
+            f"its inputs already differ ({rows[first_in].row}): the error entered before this dump (an earlier "
+            f"step, the weights or the data), and no later call's output error is {amplification:g}x its input "
+            "error"
+        )
     # the row to look at is the input that already differs
     return Divergence(api.api, rows[first_in].row, api.step, api.rank, why, "inherited", i, first_in)

@@ -5,12 +5,20 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from pytest_msprobe.compare.load import OUTPUT
 from pytest_msprobe.compare.ranks import collective_op
-from pytest_msprobe.compare.result import ERROR, UNMATCHED_CAUSES, ApiResult, CompareResult, Divergence
+from pytest_msprobe.compare.result import (
+    ERROR,
+    UNMATCHED_CAUSES,
+    ApiResult,
+    CompareResult,
+    Divergence,
+)
 from pytest_msprobe.compare.thresholds import format_share
+from pytest_msprobe.compare.verdict import other_shape
 from pytest_msprobe.report.summary import first_unmatched_text
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
@@ -28,6 +36,15 @@ def _call_site(frames: tuple[str, ...]) -> str | None:
         if not _LIBRARY_FRAME.search(frame):
             return " ".join(frame.split())
     return None
+
+
+def _model_differs(result: CompareResult, fd: Divergence) -> bool:
+    """Whether the first divergence is a call whose inputs have other shapes (no seed makes them agree)."""
+    api = result.apis[fd.api_index]
+    return fd.rule == "inherited" and any(
+        result.rows[i].role != OUTPUT and result.rows[i].status == ERROR and other_shape(result.rows[i])
+        for i in api.rows
+    )
 
 
 def _op_name(api: str) -> str:
@@ -94,19 +111,40 @@ def advice(result: CompareResult, fd: Divergence) -> str:
             if result.rows[i].role != OUTPUT and result.rows[i].status == ERROR
         ]
         which = f"{inputs[0].row}: {inputs[0].reason}" if inputs else "its inputs"
-        text.append(
-            f"The inputs of {api.api} already differ ({which}), and it is the first call that breaches: "
-            "the difference comes from before this dump."
-        )
-        text.append(
-            "Compare an earlier step (dump from the first step on both sides), check that both runs load the same "
-            "weights and optimizer state and read the same data, and seed both with seed_all(seed, mode=True)."
-        )
+        beyond = bool(inputs) and all(r.error is not None and math.isinf(r.error) for r in inputs)
+        reshaped = [r for r in inputs if other_shape(r)]
+        if reshaped:
+            text.append(
+                f"{api.api}, the first call that breaches, reads inputs of other shapes than the baseline's "
+                f"({reshaped[0].row}: {reshaped[0].reason}): the two dumps may not come from the same model or data."
+            )
+            text.append(
+                "Check that both runs use the same model code and configuration (architecture, layer sizes), the "
+                "same batch size and input size; a model that changed on purpose needs a new baseline."
+            )
+        elif beyond:
+            text.append(
+                f"The inputs of {api.api} differ beyond measure ({which}): one run overflowed before this dump."
+            )
+            text.append(
+                "Dump from an earlier step on both sides to find the first NaN/Inf, and seed both with "
+                "seed_all(seed, mode=True)."
+            )
+        else:
+            text.append(
+                f"The inputs of {api.api} already differ ({which}), and it is the first call that breaches: "
+                "the difference comes from before this dump."
+            )
+            text.append(
+                "Compare an earlier step (dump from the first step on both sides), check that both runs load the "
+                "same weights and optimizer state and read the same data, and seed both with "
+                "seed_all(seed, mode=True)."
+            )
     if result.mode == "md5":
         text.append(
             "In md5 mode any bit difference counts: expect differences between devices; use statistics."
         )
-    if _NONDETERMINISTIC.search(_op_name(api.api)):
+    if _NONDETERMINISTIC.search(_op_name(api.api)) and not _model_differs(result, fd):
         text.append(
             f"{_op_name(api.api)} can be nondeterministic by nature (parallel reductions): make sure both runs "
             "called seed_all(seed, mode=True) before concluding."
