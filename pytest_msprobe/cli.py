@@ -3,9 +3,10 @@
     pytest-msprobe compare TARGET BASELINE -o OUT [--fuzzy] [--mode M] [-j N] [threshold options]
     pytest-msprobe compare -i compare.json -o OUT [-s]        # msprobe 8.x's form
 
-Exit status: 0 when every API is within its thresholds, 1 when any breaches or the target lacks a step or rank
-the baseline has, 2 on unusable input or a usage error (one line on stderr naming the file and the problem;
-no report is written).
+Exit status: 0 when every API is within its thresholds, 1 when any breaches, the target lacks a step or rank
+the baseline has, or too little of the baseline found a partner (``--max-unmatched``), 2 on unusable input or a
+usage error (one line on stderr naming the file and the problem; no report is written): among them a dump
+compared with itself, and a report folder ``-o`` that is, or is inside, TARGET or BASELINE.
 
 A missing step or rank is a 1, not a 2: both dumps are usable, and what they show is that the run being
 checked did not do all the baseline did (it stopped early, a rank died, the dumped steps changed), which is
@@ -175,6 +176,7 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         target, baseline = args.target, args.baseline
     else:
         parser.error("compare needs TARGET and BASELINE (or -i COMPARE_JSON)")
+    refuse_output_inside(args.output_path, target, baseline)
     thresholds = thresholds_from_options(args)
     result = compare(
         target,
@@ -192,9 +194,29 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         stacks = {name: tuple(frames) for name, frames in read_stack_file(Path(stack_path)).items()}
         result = dataclasses.replace(result, stacks={**stacks, **result.stacks})
     paths = write_reports(result, args.output_path)
+    code = 0 if result.passed else 1
     if not args.quiet:
-        print(console_summary(result, paths))
-    return 0 if result.passed else 1
+        try:
+            print(console_summary(result, paths), flush=True)
+        except BrokenPipeError:  # (piped into head): the verdict stands, the rest of the text has no reader
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return code
+
+
+def refuse_output_inside(out: str, target: str, baseline: str) -> None:
+    """Refuse a report folder that is a dump compared, or inside one: the reports would change the dump (and a
+    later compare of it would find them). A dump.json given by name stands for its folder."""
+    where = Path(out).resolve()
+    for label, given in (("TARGET", target), ("BASELINE", baseline)):
+        root = Path(given).resolve()
+        what = f"{label} {given}"
+        if root.is_file():
+            root, what = root.parent, f"the folder of {what}"
+        if where == root or root in where.parents:
+            relation = "is" if where == root else "is inside"
+            raise ConfigError(
+                f"-o {out} {relation} {what}: reports written into a dump change it; write them elsewhere"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

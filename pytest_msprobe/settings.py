@@ -37,6 +37,7 @@ THRESHOLD_SETTINGS = {
     "api_rtol": "lines of GLOB=FLOAT: error tolerance of matching APIs or rows",
     "skip_api": "lines of GLOB: report matching APIs but never fail on them",
     "amplification": "output/input error ratio that places the first divergence when errors flow in",
+    "max_unmatched": "most of a dump pair's baseline rows that may find no partner in the target (5% or 0.05)",
     "thresholds": "JSON file of thresholds",
 }
 MARKER_KEYS = frozenset(

@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from pytest_msprobe.compare.align import Alignment, align
@@ -42,8 +43,10 @@ from pytest_msprobe.compare.result import (
     WARNING,
     ApiResult,
     CompareResult,
+    Coverage,
     Divergence,
     DumpPair,
+    PairCoverage,
     RowResult,
 )
 from pytest_msprobe.compare.tensorfile import open_tensor
@@ -57,6 +60,7 @@ from pytest_msprobe.compare.verdict import (
     check_unmatched,
     finish,
     first_divergence,
+    other_shape,
     summarize_api,
 )
 from pytest_msprobe.errors import ConfigError, DumpFormatError
@@ -104,6 +108,7 @@ def compare(
         raise ConfigError(f"jobs must be a whole number >= 1, got {jobs!r}")
     thresholds = thresholds or Thresholds()
     t_locs, b_locs = discover(target), discover(baseline)
+    refuse_self_compare(t_locs, b_locs, target, baseline)
     pairs, unpaired, missing = _pair_locations(t_locs, b_locs, target, baseline)
     builder = _Builder(thresholds, mode)
     for part in _compare_pairs(
@@ -113,6 +118,7 @@ def compare(
             raise DumpFormatError(part[0], part[1])
         builder.merge(part)
     rows, apis, feeds, peers = builder.finish()
+    coverage = measure_coverage(rows, apis, builder.pairs, thresholds.max_unmatched)
     divergence = first_divergence(apis, rows, feeds, thresholds.amplification, builder.opaque, peers)
     divergence = structural_divergence(divergence, apis, rows, builder.structural)
     stacks: dict[str, tuple[str, ...]] = {}
@@ -136,8 +142,73 @@ def compare(
         missing=tuple(missing),
         thresholds=thresholds,
         timestamp=datetime.datetime.now().strftime("%Y%m%d%H%M%S"),
+        coverage=coverage,
         stacks=stacks,
     )
+
+
+FIRST_UNMATCHED = 5  # unmatched baseline calls a coverage failure names
+
+
+def measure_coverage(
+    rows: Sequence[RowResult], apis: Sequence[ApiResult], pairs: Sequence[DumpPair], limit: float
+) -> Coverage:
+    """How much of each dump pair's baseline found a partner in the target, against ``limit`` (a share of
+    the pair's baseline rows). A call only the target makes counts nowhere: nothing in the baseline asked
+    for it. A paired call's baseline items that the target lacks (an output more on the baseline) count."""
+    calls = [0] * len(pairs)
+    calls_unmatched = [0] * len(pairs)
+    counted = [0] * len(pairs)
+    unmatched = [0] * len(pairs)
+    for api in apis:
+        if api.bench_api is None:  # only in the target
+            continue
+        p = api.pair
+        calls[p] += 1
+        if api.status == UNMATCHED:
+            calls_unmatched[p] += 1
+        for i in api.rows:
+            row = rows[i]
+            if row.baseline is not None:
+                counted[p] += 1
+                if row.target is None:
+                    unmatched[p] += 1
+    per_pair = tuple(
+        PairCoverage(pair.step, pair.rank, calls[p], calls_unmatched[p], counted[p], unmatched[p])
+        for p, pair in enumerate(pairs)
+    )
+    over = tuple(p for p, c in enumerate(per_pair) if c.share > limit)
+    chosen = set(over)
+    lonely = sorted(
+        (api.order, i)
+        for i, api in enumerate(apis)
+        if api.pair in chosen and api.status == UNMATCHED and api.bench_api is not None
+    )
+    return Coverage(limit, per_pair, over, tuple(i for _, i in lonely[:FIRST_UNMATCHED]))
+
+
+def refuse_self_compare(
+    t_locs: Sequence[DumpLocation], b_locs: Sequence[DumpLocation], target: Any, baseline: Any
+) -> None:
+    """Refuse a compare of a dump with itself (the same folder, a link to it, a folder inside it): it passes
+    whatever the dump holds, and proves nothing. Files are the same when the file system says so."""
+
+    def identity(path: Path) -> tuple[int, int] | None:
+        try:
+            info = os.stat(path)
+        except OSError:  # (reading it reports the problem)
+            return None
+        return info.st_dev, info.st_ino
+
+    in_baseline = {identity(loc.path) for loc in b_locs} - {None}
+    shared = [loc.path for loc in t_locs if identity(loc.path) in in_baseline]
+    if shared:
+        more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
+        raise ConfigError(
+            f"TARGET {os.fspath(target)} and BASELINE {os.fspath(baseline)} are the same dump (both read "
+            f"{shared[0]}{more}): comparing a dump with itself proves nothing; compare the run under test with "
+            "a baseline from another run"
+        )
 
 
 def default_jobs() -> int:
@@ -807,6 +878,11 @@ def structural_divergence(
     first_error = min((api.order for api in apis if api.status == ERROR), default=None)
     if first_error is None:
         return divergence
+    if divergence.rule == "inherited" and any(
+        rows[j].role != OUTPUT and rows[j].status == ERROR and other_shape(rows[j])
+        for j in apis[divergence.api_index].rows
+    ):
+        return divergence  # inputs of other shapes: another model or data, more than a call added or removed
     before = [(apis[c].order, source) for c, source in structural.items() if apis[c].order <= first_error]
     if not before:
         return divergence

@@ -2,18 +2,19 @@
 
 Rows are in report order (each dump's execution order, steps then ranks); every API call has an
 :class:`ApiResult` (verdict, input and output error, its rows, its execution-order index); the first
-divergence points at one of them.
+divergence points at one of them; :class:`Coverage` says how much of the baseline found a partner.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_msprobe.compare.load import Leaf
 from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics
-from pytest_msprobe.compare.thresholds import Thresholds
+from pytest_msprobe.compare.thresholds import Thresholds, format_share
 
 PASS, WARNING, ERROR, UNMATCHED, SKIPPED = "pass", "warning", "error", "unmatched", "skipped"
 STATUSES = (PASS, WARNING, ERROR, UNMATCHED, SKIPPED)
@@ -98,10 +99,108 @@ class DumpPair:
     baseline_only: int
 
 
+# why a baseline's calls find no partner in the target, most common first
+UNMATCHED_CAUSES = (
+    "a different optimizer implementation (torch._foreach_* on CUDA, single-tensor loops on CPU)",
+    "a skipped backward() or optimizer.step()",
+    "another dump level (L0, L1, mix)",
+    "another model or other data",
+    "an API list that differs between msprobe versions",
+)
+
+
+@dataclass(frozen=True)
+class PairCoverage:
+    """How much of one dump pair's baseline found a partner in the target."""
+
+    step: int | None
+    rank: int | None
+    baseline_calls: int
+    unmatched_calls: int  # baseline calls the target does not make
+    baseline_rows: int
+    unmatched_rows: (
+        int  # baseline rows without a partner (those of unmatched calls and extra items of paired ones)
+    )
+
+    @property
+    def share(self) -> float:
+        return self.unmatched_rows / self.baseline_rows if self.baseline_rows else 0.0
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of the baseline was compared, each dump pair held to ``Thresholds.max_unmatched``.
+
+    A pair above the limit fails the compare whatever its compared rows say: a run that skipped its backward
+    pass, dumped another level or trained another model pairs few rows, and the few may well agree.
+    """
+
+    limit: float
+    pairs: tuple[PairCoverage, ...]  # CompareResult.pairs order
+    over: tuple[int, ...]  # indices into pairs: those above the limit
+    first_unmatched: tuple[
+        int, ...
+    ]  # CompareResult.apis indices: the over pairs' first unmatched baseline calls
+
+    @property
+    def passed(self) -> bool:
+        return not self.over
+
+    def _total(self, name: str, pairs: Sequence[int] | None = None) -> int:
+        chosen = range(len(self.pairs)) if pairs is None else pairs
+        return sum(getattr(self.pairs[i], name) for i in chosen)
+
+    @property
+    def baseline_calls(self) -> int:
+        return self._total("baseline_calls")
+
+    @property
+    def unmatched_calls(self) -> int:
+        return self._total("unmatched_calls")
+
+    @property
+    def baseline_rows(self) -> int:
+        return self._total("baseline_rows")
+
+    @property
+    def unmatched_rows(self) -> int:
+        return self._total("unmatched_rows")
+
+    @property
+    def share(self) -> float:
+        """The share of all the baseline's rows that found no partner."""
+        rows = self.baseline_rows
+        return self.unmatched_rows / rows if rows else 0.0
+
+    @property
+    def headline(self) -> str | None:
+        """``too little compared: 18 of 26 baseline calls (40 of 52 rows, 77%) found no partner in the target;
+        the limit is 5%``, counted over the pairs above the limit (named when not all are); None when none is."""
+        if not self.over:
+            return None
+        calls, calls_of = self._total("unmatched_calls", self.over), self._total("baseline_calls", self.over)
+        rows, rows_of = self._total("unmatched_rows", self.over), self._total("baseline_rows", self.over)
+        where = ""
+        if len(self.over) < len(self.pairs):
+            named = "; ".join(_place(self.pairs[i].step, self.pairs[i].rank) for i in self.over[:3])
+            more = f" and {len(self.over) - 3} more" if len(self.over) > 3 else ""
+            where = f"in {named}{more} ({len(self.over)} of {len(self.pairs)} dump pairs), "
+        return (
+            f"too little compared: {where}{calls} of {calls_of} baseline calls ({rows} of {rows_of} rows, "
+            f"{format_share(rows / rows_of)}) found no partner in the target; the limit is "
+            f"{format_share(self.limit)}" + (" per dump pair" if where else "")
+        )
+
+
+def _place(step: int | None, rank: int | None) -> str:
+    parts = [f"step {step}" if step is not None else "", f"rank {rank}" if rank is not None else ""]
+    return ", ".join(p for p in parts if p) or "the dump"
+
+
 @dataclass(frozen=True)
 class CompareResult:
-    """Everything a compare found. ``passed`` is False when any API breaches (a row with status error) or the
-    target lacks a step or rank of the baseline."""
+    """Everything a compare found. ``passed`` is False when any API breaches (a row with status error), the
+    target lacks a step or rank of the baseline, or too little of the baseline found a partner (``coverage``)."""
 
     target: str
     baseline: str
@@ -113,13 +212,15 @@ class CompareResult:
     unpaired: tuple[str, ...]  # dumps (step/rank) present on one side only
     thresholds: Thresholds
     timestamp: str  # YYYYmmddHHMMSS, names the report files
+    coverage: Coverage
     stacks: dict[str, tuple[str, ...]] = field(default_factory=dict)  # target API name -> call stack
     missing: tuple[str, ...] = ()  # the unpaired dumps that only the baseline has: they fail the compare
 
     @property
     def passed(self) -> bool:
-        """No API breaches, and the target has every step and rank the baseline has."""
-        return not self.missing and not any(api.status == ERROR for api in self.apis)
+        """No API breaches, the target has every step and rank the baseline has, and enough of the baseline
+        found a partner."""
+        return not self.missing and self.coverage.passed and not any(api.status == ERROR for api in self.apis)
 
     @property
     def failures(self) -> list[ApiResult]:

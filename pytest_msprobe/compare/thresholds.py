@@ -39,6 +39,11 @@ warning level follows at a tenth of the error tolerance unless given); ``dtype_r
 API rules (glob patterns on the API or row name, last match wins) set the error tolerance of matching rows
 or skip them (reported, never failing). ``amplification`` (10) is how much larger an API's output error
 must be than its input error for the first divergence to be placed there when errors already flow in.
+
+``max_unmatched`` (5%) bounds how much of the baseline may go uncompared: in each dump pair (step, rank), the
+share of the baseline's rows that found no partner in the target. Above it the compare fails, whatever the
+rows that were compared say: a run that skipped its backward, dumped another level or trained another model
+pairs few rows, and the few it pairs may well pass.
 """
 
 from __future__ import annotations
@@ -90,6 +95,11 @@ DEFAULT_DTYPE_TOLERANCES: Mapping[str, Tolerance] = {
         for name in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool")
     },
 }
+
+# the share of the baseline's rows a dump pair may leave without a partner in the target: room for a few calls
+# that differ between library versions (26.x's API list against 8.3.3's: 2-3% of a small ResNet's rows), not
+# for a missing backward or optimizer step (more than half of a training step's rows)
+DEFAULT_MAX_UNMATCHED = 0.05
 
 FLOATING = frozenset(name for name, tol in DEFAULT_DTYPE_TOLERANCES.items() if tol.error > 0)
 
@@ -150,6 +160,9 @@ class Thresholds:
     apis: tuple[ApiRule, ...] = ()
     amplification: float = 10.0
     msprobe_rule: bool = True
+    max_unmatched: float = (
+        DEFAULT_MAX_UNMATCHED  # share of a dump pair's baseline rows left without a partner
+    )
 
     def for_dtype(self, dtype: str | None) -> Tolerance:
         name = normalize_dtype(dtype)
@@ -203,6 +216,7 @@ class Thresholds:
             ],
             "amplification": self.amplification,
             "msprobe_rule": self.msprobe_rule,
+            "max_unmatched": self.max_unmatched,
         }
 
 
@@ -220,7 +234,7 @@ def thresholds_from_dict(doc: Any, where: str = "thresholds") -> Thresholds:
     """Thresholds from the JSON form; unknown keys and bad values raise ConfigError naming ``where``."""
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: expected a JSON object")
-    unknown = set(doc) - {"dtypes", "apis", "amplification", "msprobe_rule"}
+    unknown = set(doc) - {"dtypes", "apis", "amplification", "msprobe_rule", "max_unmatched"}
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
     dtypes = dict(DEFAULT_DTYPE_TOLERANCES)
@@ -260,7 +274,16 @@ def thresholds_from_dict(doc: Any, where: str = "thresholds") -> Thresholds:
     msprobe_rule = doc.get("msprobe_rule", True)
     if not isinstance(msprobe_rule, bool):
         raise ConfigError(f"{where}: msprobe_rule must be true or false, got {msprobe_rule!r}")
-    return Thresholds(dtypes, tuple(rules), amplification, msprobe_rule)
+    max_unmatched = DEFAULT_MAX_UNMATCHED
+    if "max_unmatched" in doc:
+        value = doc["max_unmatched"]
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{where}: max_unmatched must be a share such as 0.05 or '5%', got {value!r}")
+        try:
+            max_unmatched = parse_share(str(value))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: max_unmatched: {exc}") from None
+    return Thresholds(dtypes, tuple(rules), amplification, msprobe_rule, max_unmatched)
 
 
 def load_thresholds_file(path: str | os.PathLike[str]) -> Thresholds:
@@ -273,6 +296,33 @@ def load_thresholds_file(path: str | os.PathLike[str]) -> Thresholds:
     except ValueError as exc:
         raise ConfigError(f"{where}: invalid JSON ({exc})") from None
     return thresholds_from_dict(doc, where)
+
+
+def parse_share(text: str) -> float:
+    """A share of a whole, written ``5%`` or ``0.05``, as a fraction in [0, 1]; ValueError quoting the text.
+
+    A bare number above 1 is refused rather than read as a percentage: ``5`` could mean either.
+    """
+    body = text.strip()
+    percent = body.endswith("%")
+    try:
+        value = float(body[:-1] if percent else body)
+    except ValueError:
+        raise ValueError(f"expected a share such as 5% or 0.05, got {text!r}") from None
+    if percent:
+        value /= 100
+    if math.isnan(value) or not 0 <= value <= 1:
+        hint = " (a percentage needs its %: 5%)" if not percent and 1 < value <= 100 else ""
+        raise ValueError(f"expected a share between 0 and 100% (0 to 1), got {text!r}{hint}")
+    return value
+
+
+def format_share(share: float) -> str:
+    """A share as a percentage for messages: ``77%``, ``5%``, ``2.4%``, ``0.35%``, ``99.6%``."""
+    value = share * 100
+    if value == 0 or 10 <= value <= 99:
+        return f"{value:.0f}%"
+    return f"{value:.3g}%" if value > 99 else f"{value:.2g}%"
 
 
 # ------------------------------------------------------------------------------------------------- options
@@ -291,6 +341,13 @@ def _amplification(text: str) -> float:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
     return value
+
+
+def _share(text: str) -> float:
+    try:
+        return parse_share(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _pair(text: str) -> tuple[str, float]:
@@ -314,6 +371,7 @@ _SCALAR_PARSERS: dict[str, Callable[[str], Any]] = {
     "warn_rtol": _nonnegative,
     "atol": _nonnegative,
     "amplification": _amplification,
+    "max_unmatched": _share,
     "thresholds": str,
 }
 _LIST_PARSERS: dict[str, Callable[[str], Any]] = {
@@ -358,6 +416,7 @@ _OPTION_NAMES = (
     "api_rtol",
     "skip_api",
     "amplification",
+    "max_unmatched",
     "thresholds",
 )
 
@@ -430,12 +489,21 @@ def add_threshold_options(addoption: Callable[..., Any], prefix: str = "") -> No
         "FACTOR times its input error (default 10)",
     )
     addoption(
+        f"--{prefix}max-unmatched",
+        dest=f"{dest}max_unmatched",
+        type=_share,
+        default=None,
+        metavar="SHARE",
+        help="fail when more than SHARE of the baseline's rows in a dump pair (step, rank) found no partner in "
+        "the target, e.g. 5%% or 0.05 (default 5%%; 0: every baseline row must pair)",
+    )
+    addoption(
         f"--{prefix}thresholds",
         dest=f"{dest}thresholds",
         default=None,
         metavar="FILE",
         help="JSON file of thresholds ({'dtypes': {...}, 'apis': [...], 'amplification': ..., "
-        "'msprobe_rule': ...}); the options above override it",
+        "'msprobe_rule': ..., 'max_unmatched': ...}); the options above override it",
     )
     addoption(
         f"--{prefix}no-msprobe-rule",
@@ -476,4 +544,5 @@ def thresholds_from_options(options: Any, prefix: str = "") -> Thresholds:
     rules.extend(ApiRule(pattern, skip=True) for pattern in values["skip_api"] or ())
     amplification = values["amplification"] if values["amplification"] is not None else base.amplification
     msprobe_rule = base.msprobe_rule and not values["no_msprobe_rule"]
-    return Thresholds(dtypes, tuple(rules), amplification, msprobe_rule)
+    max_unmatched = values["max_unmatched"] if values["max_unmatched"] is not None else base.max_unmatched
+    return Thresholds(dtypes, tuple(rules), amplification, msprobe_rule, max_unmatched)

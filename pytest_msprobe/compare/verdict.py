@@ -38,7 +38,7 @@ from pytest_msprobe.compare.result import (
     RowResult,
     worst,
 )
-from pytest_msprobe.compare.thresholds import Tolerance, normalize_dtype
+from pytest_msprobe.compare.thresholds import Tolerance, is_integral, normalize_dtype
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,68 @@ def _tensor_notes(check: Check, target: Leaf, baseline: Leaf) -> Check:
     return check
 
 
+# statistics a dump may leave null for a non-empty tensor, by dtype: msprobe gives bool tensors only any/all (as
+# Max/Min), integer tensors no Mean/Norm in 26.x, float64 tensors no Mean/Norm in some versions; complex ones
+# get no Norm. Max and Min every dump gives (an empty tensor has none at all).
+_MAX_MIN = (0, 1)
+_ALL_FOUR = (0, 1, 2, 3)
+
+
+def required_statistics(dtype: str | None) -> tuple[int, ...]:
+    """Indices (into STAT_NAMES) of the statistics every dump gives a non-empty tensor of ``dtype``."""
+    name = normalize_dtype(dtype)
+    if name is None or is_integral(name) or name == "float64" or name.startswith("complex"):
+        return _MAX_MIN
+    if name.startswith(("float", "bfloat")):
+        return _ALL_FOUR
+    return _MAX_MIN  # a dtype we do not know: only what every dump gives
+
+
+def _numel(leaf: Leaf) -> int | None:
+    return None if leaf.shape is None else math.prod(leaf.shape)
+
+
+def unusable_statistics(leaf: Leaf, side: str) -> str | None:
+    """Why the statistics of a non-empty tensor record cannot be compared (None when they can): a statistic
+    that is NaN, or one every dump gives that is null. ``side`` is "baseline" or "target"."""
+    if not _numel(leaf):  # empty (or of unknown shape): nothing to summarise
+        return None
+    nan = [STAT_NAMES[i] for i, v in enumerate(leaf.stats) if v is not None and math.isnan(v)]
+    missing = [STAT_NAMES[i] for i in required_statistics(leaf.dtype) if leaf.stats[i] is None]
+    if side == "baseline":
+        if nan:
+            return (
+                f"the baseline's {_names(nan)} {'is' if len(nan) == 1 else 'are'} NaN for this non-empty tensor: "
+                "the baseline itself overflowed, so it cannot be a reference; regenerate it from a healthy run"
+            )
+        if missing:
+            return (
+                f"the baseline has no {_names(missing)} (null) for this non-empty {leaf.dtype} tensor: it lacks "
+                "statistics, so it cannot be a reference; regenerate it"
+            )
+        return None
+    if missing:  # (NaN in the target is a difference, judged as one)
+        return (
+            f"the target has no {_names(missing)} (null) for this non-empty {leaf.dtype} tensor: it lacks "
+            "statistics, so it cannot be compared; dump it again"
+        )
+    return None
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _unusable(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check | None:
+    """An error check when either side's statistics cannot be compared (the baseline's first: a baseline that
+    cannot be a reference is the problem to fix, whatever the target holds)."""
+    why = unusable_statistics(baseline, "baseline") or unusable_statistics(target, "target")
+    if why is None:
+        return None
+    # no error is measured: the row breaches without a number, and feeds no input/output error
+    return _tensor_notes(Check(ERROR, None, tol.error, why), target, baseline)
+
+
 def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
     """Two tensors by their Max / Min / Mean / Norm."""
     if target.shape != baseline.shape:
@@ -155,6 +217,9 @@ def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
             target,
             baseline,
         )
+    unusable = _unusable(target, baseline, tol)
+    if unusable is not None:
+        return unusable
     metrics = stat_metrics(target.stats, baseline.stats)
     if metrics.error is None:
         return _tensor_notes(
@@ -190,11 +255,14 @@ def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
     reason = ""
     if status != PASS and worst_i is not None:
         name = STAT_NAMES[worst_i]
-        scale = "its value" if worst_i == 3 else "the tensor's range"
-        reason = (
-            f"{name} differs by {fmt_number(metrics.scaled[worst_i])} of {scale} "
-            f"({_fmt6(baseline.stats[worst_i])} -> {_fmt6(target.stats[worst_i])}; allowed {fmt_number(tol.error)})"
-        )
+        scaled = metrics.scaled[worst_i]
+        values = f"{_fmt6(baseline.stats[worst_i])} -> {_fmt6(target.stats[worst_i])}"
+        if scaled is not None and math.isinf(scaled):  # nothing finite to scale the difference by
+            scale = "the Norms are not finite" if worst_i == 3 else "the tensor's Max and Min are not finite"
+            reason = f"{name} differs ({values}; allowed {fmt_number(tol.error)} of a scale, and {scale})"
+        else:
+            scale = "its value" if worst_i == 3 else "the tensor's range"
+            reason = f"{name} differs by {fmt_number(scaled)} of {scale} ({values}; allowed {fmt_number(tol.error)})"
     check = Check(status, error, tol.error, reason, stat=metrics)
     if metrics.nonfinite == "same":
         check = _escalate(check, WARNING, "NaN/Inf in the same statistics on both sides")
@@ -259,6 +327,9 @@ def check_md5(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
         return check_statistics(target, baseline, tol)
     if target.shape != baseline.shape:
         return check_statistics(target, baseline, tol)
+    why = unusable_statistics(baseline, "baseline")  # equal CRCs of an overflowed baseline prove nothing
+    if why is not None:
+        return _tensor_notes(Check(ERROR, None, tol.error, why), target, baseline)
     if target.md5 == baseline.md5:
         return _tensor_notes(Check(PASS, 0.0, 0.0), target, baseline)
     metrics = stat_metrics(target.stats, baseline.stats)
@@ -336,6 +407,12 @@ def _worst_output_row(api: ApiResult, rows: Sequence[RowResult]) -> int:
     return max(candidates, key=lambda i: (rows[i].error or 0.0, -i))
 
 
+def other_shape(row: RowResult) -> bool:
+    """Whether a row's two tensors have other shapes (never a matter of precision)."""
+    t, b = row.target, row.baseline
+    return t is not None and b is not None and t.kind == TENSOR and b.kind == TENSOR and t.shape != b.shape
+
+
 def _suffix(api: ApiResult, rows: Sequence[RowResult], i: int) -> str:
     return rows[i].row[len(api.api) :] if rows[i].row.startswith(api.api) else rows[i].row
 
@@ -405,22 +482,36 @@ def first_divergence(
             group = {apis[j].rank for j in peers.get(i, ())} | {api.rank}
             ranks = sorted(r for r in group if r is not None)
             inputs = f"its inputs on ranks {', '.join(map(str, ranks))}" if len(ranks) > 1 else "its inputs"
-            why = (
-                f"its output differs ({_suffix(api, rows, row)}: {rows[row].reason}) while {inputs} match "
-                f"the baseline: the error enters here"
-            )
+            if rows[row].error is None:  # not a measured difference: the record itself cannot be compared
+                why = (
+                    f"its output cannot be compared ({_suffix(api, rows, row)}: {rows[row].reason}) while {inputs} "
+                    "match the baseline: the first row to fix is here"
+                )
+            else:
+                why = (
+                    f"its output differs ({_suffix(api, rows, row)}: {rows[row].reason}) while {inputs} match "
+                    f"the baseline: the error enters here"
+                )
             return make(i, "enters", why)
     for i in breaching:
         in_err, _, _ = effective_inputs(i)
         out_err = apis[i].output_error
-        if in_err and out_err is not None and out_err >= amplification * in_err:
-            ratio = out_err / in_err
-            why = (
-                f"errors already flow into every call; here the output error {fmt_number(out_err)} is "
-                f"{'inf' if math.isinf(ratio) else f'{ratio:.0f}'}x the input error {fmt_number(in_err)}: "
-                "the error grows here"
+        # a ratio means something only for a finite input error: inputs that differ beyond measure (another
+        # shape, NaN/Inf on one side) cannot show the error growing
+        if not in_err or not math.isfinite(in_err) or out_err is None or out_err < amplification * in_err:
+            continue
+        if math.isfinite(out_err):
+            growth = (
+                f"the output error {fmt_number(out_err)} is {out_err / in_err:.0f}x the input error "
+                f"{fmt_number(in_err)}"
             )
-            return make(i, "grows", why)
+        else:
+            growth = (
+                f"the output differs beyond measure (NaN/Inf on one side only, or another shape) while the input "
+                f"error is {fmt_number(in_err)}"
+            )
+        why = f"errors already flow into every call; here {growth}: the error grows here"
+        return make(i, "grows", why)
     inherited = breaching or [i for _, i in compared if apis[i].status == ERROR]
     if not inherited:
         return None
@@ -438,9 +529,24 @@ def first_divergence(
             i, "inherited", "its inputs cannot be compared, and no call's error is shown to enter later"
         )
     first_in = in_rows[0]
-    why = (
-        f"its inputs already differ ({rows[first_in].row}): the error entered before this dump (an earlier "
-        f"step, the weights or the data), and no later call's output error is {amplification:g}x its input error"
-    )
+    reshaped = [j for j in in_rows if other_shape(rows[j])]
+    if reshaped:  # a shape is not a matter of precision
+        first_in = reshaped[0]
+        why = (
+            f"its inputs have other shapes ({rows[first_in].row}: {rows[first_in].reason}): the two dumps may not "
+            "come from the same model or data (another architecture, other layer sizes, another batch), so no "
+            "call's error can be shown to enter or grow"
+        )
+    elif all(rows[j].error is not None and math.isinf(rows[j].error or 0.0) for j in in_rows):
+        why = (
+            f"its inputs differ beyond measure ({rows[first_in].row}: {rows[first_in].reason}): one run "
+            "overflowed before this dump (dump an earlier step), so no call's error can be shown to enter or grow"
+        )
+    else:
+        why = (
+            f"its inputs already differ ({rows[first_in].row}): the error entered before this dump (an earlier "
+            f"step, the weights or the data), and no later call's output error is {amplification:g}x its input "
+            "error"
+        )
     # the row to look at is the input that already differs
     return Divergence(api.api, rows[first_in].row, api.step, api.rank, why, "inherited", i, first_in)

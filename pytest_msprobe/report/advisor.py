@@ -5,11 +5,21 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from pytest_msprobe.compare.load import OUTPUT
 from pytest_msprobe.compare.ranks import collective_op
-from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Divergence
+from pytest_msprobe.compare.result import (
+    ERROR,
+    UNMATCHED_CAUSES,
+    ApiResult,
+    CompareResult,
+    Divergence,
+)
+from pytest_msprobe.compare.thresholds import format_share
+from pytest_msprobe.compare.verdict import other_shape
+from pytest_msprobe.report.summary import first_unmatched_text
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
 _NONDETERMINISTIC = re.compile(
@@ -28,6 +38,15 @@ def _call_site(frames: tuple[str, ...]) -> str | None:
     return None
 
 
+def _model_differs(result: CompareResult, fd: Divergence) -> bool:
+    """Whether the first divergence is a call whose inputs have other shapes (no seed makes them agree)."""
+    api = result.apis[fd.api_index]
+    return fd.rule == "inherited" and any(
+        result.rows[i].role != OUTPUT and result.rows[i].status == ERROR and other_shape(result.rows[i])
+        for i in api.rows
+    )
+
+
 def _op_name(api: str) -> str:
     parts = api.split(".")
     return parts[1] if len(parts) > 2 else api
@@ -39,7 +58,18 @@ def advice(result: CompareResult, fd: Divergence) -> str:
     row = result.rows[fd.row_index]
     backward = api.direction == "backward" or ".parameters_grad" in api.api
     text: list[str] = []
-    if fd.rule == "enters":
+    if row.status == ERROR and row.error is None and row.stat is None and row.tensor is None:
+        # no difference was measured: a record of one side cannot be compared (NaN or missing statistics)
+        text.append(f"{row.row} cannot be compared: {row.reason}.")
+        if row.reason.startswith("the baseline"):
+            text.append(
+                "A baseline is a reference only where its numbers are sound: regenerate it from a run that does "
+                "not overflow (on the reference device, with the same code), or skip this API with a rule if "
+                "its overflow is part of the model."
+            )
+        else:
+            text.append("Dump the target again with statistics on (task statistics or md5).")
+    elif fd.rule == "enters":
         if backward:
             text.append(
                 f"{api.api} turns matching incoming gradients (and matching forward tensors) into different "
@@ -81,19 +111,40 @@ def advice(result: CompareResult, fd: Divergence) -> str:
             if result.rows[i].role != OUTPUT and result.rows[i].status == ERROR
         ]
         which = f"{inputs[0].row}: {inputs[0].reason}" if inputs else "its inputs"
-        text.append(
-            f"The inputs of {api.api} already differ ({which}), and it is the first call that breaches: "
-            "the difference comes from before this dump."
-        )
-        text.append(
-            "Compare an earlier step (dump from the first step on both sides), check that both runs load the same "
-            "weights and optimizer state and read the same data, and seed both with seed_all(seed, mode=True)."
-        )
+        beyond = bool(inputs) and all(r.error is not None and math.isinf(r.error) for r in inputs)
+        reshaped = [r for r in inputs if other_shape(r)]
+        if reshaped:
+            text.append(
+                f"{api.api}, the first call that breaches, reads inputs of other shapes than the baseline's "
+                f"({reshaped[0].row}: {reshaped[0].reason}): the two dumps may not come from the same model or data."
+            )
+            text.append(
+                "Check that both runs use the same model code and configuration (architecture, layer sizes), the "
+                "same batch size and input size; a model that changed on purpose needs a new baseline."
+            )
+        elif beyond:
+            text.append(
+                f"The inputs of {api.api} differ beyond measure ({which}): one run overflowed before this dump."
+            )
+            text.append(
+                "Dump from an earlier step on both sides to find the first NaN/Inf, and seed both with "
+                "seed_all(seed, mode=True)."
+            )
+        else:
+            text.append(
+                f"The inputs of {api.api} already differ ({which}), and it is the first call that breaches: "
+                "the difference comes from before this dump."
+            )
+            text.append(
+                "Compare an earlier step (dump from the first step on both sides), check that both runs load the "
+                "same weights and optimizer state and read the same data, and seed both with "
+                "seed_all(seed, mode=True)."
+            )
     if result.mode == "md5":
         text.append(
             "In md5 mode any bit difference counts: expect differences between devices; use statistics."
         )
-    if _NONDETERMINISTIC.search(_op_name(api.api)):
+    if _NONDETERMINISTIC.search(_op_name(api.api)) and not _model_differs(result, fd):
         text.append(
             f"{_op_name(api.api)} can be nondeterministic by nature (parallel reductions): make sure both runs "
             "called seed_all(seed, mode=True) before concluding."
@@ -128,10 +179,25 @@ def _other_ranks(result: CompareResult, fd: Divergence) -> str | None:
     return text + "."
 
 
+def coverage_advice(result: CompareResult) -> str | None:
+    """What a compare that paired too little of the baseline means and what to try; None when it paired enough."""
+    cov = result.coverage
+    if cov.headline is None:
+        return None
+    headline = cov.headline[0].upper() + cov.headline[1:]
+    return (
+        f"{headline}: the compare cannot vouch for a run it could not pair. The usual causes: "
+        f"{'; '.join(UNMATCHED_CAUSES)}. Dump both runs from the same script and level; if the two really "
+        f"make different calls (a CPU baseline for a CUDA run: the optimizer's calls differ), raise "
+        f"max_unmatched (unmatched now: {format_share(cov.share)} of the baseline's rows)."
+    )
+
+
 def advisor_text(result: CompareResult) -> str:
     """The advisor file's content."""
     fd = result.first_divergence
     counts = result.counts()
+    uncovered = coverage_advice(result)
     if fd is None:
         compared = counts["rows"] - counts["unmatched"] - counts["skipped"]
         note = (
@@ -140,6 +206,17 @@ def advisor_text(result: CompareResult) -> str:
         )
         if counts["warning"]:
             note += " Warnings are rows close to their threshold or with a dtype/requires_grad difference."
+        if uncovered is not None:
+            firsts = result.coverage.first_unmatched
+            line, node = "N/A", "N/A"
+            if (
+                firsts
+            ):  # the first baseline call the target does not make, as the row where the sheet shows it
+                line, node = str(result.apis[firsts[0]].row_start + 2), result.apis[firsts[0]].api
+            return (
+                f"Line: {line}\nSuspect Nodes: {node}\nExpert Advice: {uncovered}\n\n{_unmatched_calls(result)}"
+                f"Of the rows paired: {note[0].lower()}{note[1:]}\n{_missing_text(result)}"
+            )
         return f"Line: N/A\nSuspect Nodes: N/A\nExpert Advice: {note}\n{_missing_text(result)}"
     lines = [
         f"Line: {fd.row_index + 2}",
@@ -151,12 +228,21 @@ def advisor_text(result: CompareResult) -> str:
         f"{len(result.failures)} API call(s) breach in total, "
         f"{counts['apis_warning']} with warnings, {counts['apis_unmatched']} not matched.",
     ]
-    suspect = result.apis[fd.api_index]
-    later = [a for a in result.failures if a is not suspect][:10]
+    breached = result.apis[fd.api_index]
+    later = [a for a in result.failures if a is not breached][:10]
     if later:
         lines.append("Other breaching calls (execution order; most follow from the first):")
         lines.extend(f"  {a.api} (step {a.step}, rank {a.rank}): {a.reason}" for a in later)
+    if uncovered is not None:
+        lines.extend(["", uncovered, _unmatched_calls(result).rstrip("\n")])
     return "\n".join(lines) + "\n" + _missing_text(result)
+
+
+def _unmatched_calls(result: CompareResult) -> str:
+    """A line naming the first baseline calls without a partner (of a compare that paired too little)."""
+    if not result.coverage.first_unmatched:
+        return ""
+    return f"First baseline calls without a partner (execution order): {first_unmatched_text(result)}.\n"
 
 
 def _missing_text(result: CompareResult) -> str:

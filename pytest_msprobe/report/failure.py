@@ -1,6 +1,7 @@
 """The failure message of a breaching msprobe test: one shape, every time.
 
 headline with counts
+what the compare could not check (a step or rank the target lacks, too little of the baseline paired)
 the first divergence and why
 the worst rows: row, metric, value, allowed
 where the reports are
@@ -14,11 +15,13 @@ from pathlib import Path
 from pytest_msprobe.compare.metrics import STAT_NAMES
 from pytest_msprobe.compare.result import ERROR, CompareResult, RowResult
 from pytest_msprobe.compare.verdict import fmt_number
-from pytest_msprobe.report.summary import rank_line
+from pytest_msprobe.report.summary import coverage_lines, rank_line
 
 
 def row_metric(row: RowResult) -> str:
     """Which metric judged the row: the worst statistic in statistics mode, the scaled error otherwise."""
+    if row.error is None and row.stat is None and row.tensor is None and row.status == ERROR:
+        return "statistics"  # NaN or missing statistics: nothing measured
     if row.stat is not None and row.stat.worst is not None:
         return f"{STAT_NAMES[row.stat.worst]} (scaled)"
     if row.tensor is not None:
@@ -56,11 +59,18 @@ def failure_message(
     scope = f", steps {', '.join(map(str, steps))}" if steps else ""
     if len(ranks) > 1:
         scope += f", ranks {', '.join(map(str, ranks))}"
-    lines = [
-        f"msprobe: {lacking}{c['apis_error']} of {c['apis']} API calls breach the thresholds "
-        f"({c['error']} error rows, {c['warning']} warnings, {c['unmatched']} unmatched; {result.mode} mode"
-        f"{scope})"
-    ]
+    detail = f"({c['error']} error rows, {c['warning']} warnings, {c['unmatched']} unmatched; {result.mode} mode{scope})"
+    counts = f"{c['apis_error']} of {c['apis']} API calls breach the thresholds {detail}"
+    coverage = coverage_lines(result, "--msprobe-max-unmatched=SHARE or the marker's max_unmatched=")
+    if coverage:
+        # what was not compared leads: the verdict of the rows that were says little about the run
+        lines = [f"msprobe: {lacking}{coverage[0]}", *coverage[1:]]
+        if not c["apis_error"]:
+            lines.append(f"of what was compared, no API call breaches the thresholds {detail}")
+        else:
+            lines.append(f"of what was compared, {counts}")
+    else:
+        lines = [f"msprobe: {lacking}{counts}"]
     fd = result.first_divergence
     if fd is not None:
         lines.append(f"first divergence: {fd.api} (step {fd.step}, rank {fd.rank}), row {fd.row}")

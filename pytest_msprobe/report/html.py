@@ -134,6 +134,8 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
         f"<p><b>msprobe {html.escape(result.mode)} compare {verdict}</b>: {c['apis_error']} of {c['apis']} API "
         f"calls breach; {c['rows']} rows ({c['error']} error, {c['warning']} warning, {c['unmatched']} unmatched)</p>"
     )
+    if result.coverage.headline is not None:
+        parts.append(f'<p class="msprobe-coverage"><b>{html.escape(result.coverage.headline)}</b></p>')
     fd = result.first_divergence
     if fd is not None:
         parts.append(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult
+from pytest_msprobe.compare.result import ERROR, UNMATCHED_CAUSES, ApiResult, CompareResult
+from pytest_msprobe.compare.thresholds import format_share
 from pytest_msprobe.compare.verdict import fmt_number
 
 
@@ -51,10 +52,82 @@ def rank_line(result: CompareResult) -> str | None:
     )
 
 
+def _where(step: int | None, rank: int | None) -> str:
+    return ", ".join(
+        x
+        for x in (f"step {step}" if step is not None else "", f"rank {rank}" if rank is not None else "")
+        if x
+    )
+
+
+def first_unmatched_text(result: CompareResult) -> str:
+    """``A, B (step 0, rank 0), C (step 1, rank 0)``: the first baseline calls without a partner, in execution
+    order, each run of calls followed by its step and rank."""
+    calls = [result.apis[i] for i in result.coverage.first_unmatched]
+    parts: list[str] = []
+    for n, api in enumerate(calls):
+        last = n + 1 == len(calls) or (calls[n + 1].step, calls[n + 1].rank) != (api.step, api.rank)
+        where = _where(api.step, api.rank)
+        parts.append(f"{api.api} ({where})" if last and where else api.api)
+    return ", ".join(parts)
+
+
+def coverage_lines(result: CompareResult, allow: str) -> list[str]:
+    """The lines of a compare that paired too little of the baseline (none when it paired enough): the
+    headline, the first calls left without a partner, the usual causes, and ``allow``, the setting that
+    raises the limit (``--max-unmatched=SHARE`` on the command line; under pytest its ``--msprobe-`` form)."""
+    cov = result.coverage
+    if cov.headline is None:
+        return []
+    lines = [cov.headline]
+    if cov.first_unmatched:
+        lines.append(
+            f"  first baseline calls without a partner (execution order): {first_unmatched_text(result)}"
+        )
+    lines.append(f"  usual causes: {'; '.join(UNMATCHED_CAUSES)}")
+    lines.append(
+        f"  if the two runs really make different calls, raise the limit with {allow} (unmatched now: "
+        f"{format_share(cov.share)} of the baseline's rows)"
+    )
+    return lines
+
+
+def coverage_dict(result: CompareResult) -> dict[str, Any]:
+    """summary.json's ``coverage``: the limit, the counts, the pairs above the limit, the first unmatched calls."""
+    cov = result.coverage
+    return {
+        "passed": cov.passed,
+        "max_unmatched": cov.limit,
+        "baseline_calls": cov.baseline_calls,
+        "unmatched_calls": cov.unmatched_calls,
+        "baseline_rows": cov.baseline_rows,
+        "unmatched_rows": cov.unmatched_rows,
+        "share": cov.share,
+        "reason": cov.headline,
+        "over": [
+            {
+                "step": cov.pairs[i].step,
+                "rank": cov.pairs[i].rank,
+                "baseline_calls": cov.pairs[i].baseline_calls,
+                "unmatched_calls": cov.pairs[i].unmatched_calls,
+                "baseline_rows": cov.pairs[i].baseline_rows,
+                "unmatched_rows": cov.pairs[i].unmatched_rows,
+                "share": cov.pairs[i].share,
+            }
+            for i in cov.over
+        ],
+        "first_unmatched": [
+            {"api": result.apis[i].api, "step": result.apis[i].step, "rank": result.apis[i].rank}
+            for i in cov.first_unmatched
+        ],
+    }
+
+
 def summary_dict(result: CompareResult) -> dict[str, Any]:
     """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
-    [the baseline's steps/ranks the target lacks], "ranks": [per rank: rank, passed, apis, apis_error,
-    first_error], "counts"}``."""
+    [the baseline's steps/ranks the target lacks], "coverage": {passed, max_unmatched, baseline_calls,
+    unmatched_calls, baseline_rows, unmatched_rows, share, reason, over, first_unmatched}, "ranks": [per rank:
+    rank, passed, apis, apis_error, first_error], "counts"}``."""
     fd = result.first_divergence
     failures = []
     for api in result.failures:
@@ -67,6 +140,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         else {"api": fd.api, "row": fd.row, "step": fd.step, "rank": fd.rank, "reason": fd.reason},
         "failures": failures,
         "missing": list(result.missing),
+        "coverage": coverage_dict(result),
         "ranks": rank_summaries(result),
         "counts": result.counts(),
     }
@@ -92,6 +166,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         f"{c['warning']} warning, {c['error']} error, {c['unmatched']} unmatched, {c['skipped']} skipped; "
         f"{c['apis_error']} of {c['apis']} API calls breach"
     ]
+    lines.extend(coverage_lines(result, "--max-unmatched=SHARE"))
     fd = result.first_divergence
     if fd is not None:
         where = f"step {fd.step}, rank {fd.rank}" if fd.step is not None else f"rank {fd.rank}"

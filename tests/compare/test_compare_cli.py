@@ -54,7 +54,8 @@ def test_all_within_thresholds_exits_0(tmp_path: Path, capsys: pytest.CaptureFix
         ["compare", str(bench), str(dump_dir("26.2.0", "bench", "stat_L1")), "-o", str(tmp_path)], capsys
     )
     assert code == 0 and out.startswith("pytest-msprobe compare: PASSED")
-    code, out, _ = run(["compare", str(bench), str(bench), "-o", str(tmp_path), "-q"], capsys)
+    again = copy_dump(bench, tmp_path / "again")  # the same numbers from another run
+    code, out, _ = run(["compare", str(again), str(bench), "-o", str(tmp_path / "out"), "-q"], capsys)
     assert (code, out) == (0, "")
 
 
@@ -148,12 +149,14 @@ def test_the_package_and_its_compare_are_callable() -> None:
     assert result.first_divergence is not None and result.first_divergence.api == "Functional.relu.2.forward"
     from pytest_msprobe import compare
 
-    assert compare(dump_dir("8.3.3", "bench", "stat_L1", 0), dump_dir("8.3.3", "bench", "stat_L1", 0)).passed
+    assert compare(dump_dir("8.3.3", "bench", "stat_L1", 0), dump_dir("26.2.0", "bench", "stat_L1", 0)).passed
 
 
 # ----------------------------------------------------------------------------------------------- exit 2
 def test_missing_dump(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(["compare", str(tmp_path / "x"), str(tmp_path), "-o", str(tmp_path)], capsys)
+    code, _, err = run(
+        ["compare", str(tmp_path / "x"), str(tmp_path), "-o", str(tmp_path.parent / "out")], capsys
+    )
     assert code == 2
     one_line_error(err, tmp_path / "x", "no such file or directory")
 
@@ -228,8 +231,8 @@ def test_missing_tensor_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 def test_tensor_mode_needs_tensor_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    stat = dump_dir("8.3.3", "bench", "stat_L1", 0)
-    code, _, err = run(["compare", str(stat), str(stat), "-o", str(tmp_path), "--mode", "tensor"], capsys)
+    stat, other = dump_dir("8.3.3", "bench", "stat_L1", 0), dump_dir("26.2.0", "bench", "stat_L1", 0)
+    code, _, err = run(["compare", str(stat), str(other), "-o", str(tmp_path), "--mode", "tensor"], capsys)
     assert code == 2
     assert "has no tensor files" in err and len(err.strip().splitlines()) == 1
 
@@ -254,8 +257,11 @@ def test_bad_compare_json(
 
 def test_unwritable_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "out").write_text("a file")
-    bench = str(dump_dir("8.3.3", "bench", "stat_L1", 0))
-    code, _, err = run(["compare", bench, bench, "-o", str(tmp_path / "out")], capsys)
+    bench, other = (
+        str(dump_dir("8.3.3", "bench", "stat_L1", 0)),
+        str(dump_dir("26.2.0", "bench", "stat_L1", 0)),
+    )
+    code, _, err = run(["compare", bench, other, "-o", str(tmp_path / "out")], capsys)
     assert code == 2
     one_line_error(err, tmp_path / "out", "cannot write report")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import openpyxl
@@ -137,8 +138,18 @@ def test_advisor_when_everything_passes(tmp_path: Path) -> None:
 def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> None:
     result, paths = reported
     doc = json.loads(Path(paths["summary"]).read_text())
-    assert set(doc) == {"passed", "first_divergence", "failures", "missing", "ranks", "counts"}
+    assert set(doc) == {"passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts"}
     assert doc["missing"] == []
+    cov = doc["coverage"]
+    assert (cov["passed"], cov["max_unmatched"], cov["reason"], cov["over"], cov["first_unmatched"]) == (
+        True,
+        0.05,
+        None,
+        [],
+        [],
+    )
+    assert cov["baseline_rows"] == sum(1 for r in result.rows if r.baseline is not None)
+    assert cov["unmatched_rows"] == sum(1 for r in result.rows if r.baseline is not None and r.target is None)
     assert doc["ranks"] == [
         {
             "rank": 0,
@@ -166,8 +177,9 @@ def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> 
     assert c["apis_error"] == len(doc["failures"])
 
 
-def test_summary_of_a_passing_compare() -> None:
-    result = compare(dump_dir("8.3.3", "bench", "stat_L1"), dump_dir("8.3.3", "bench", "stat_L1"))
+def test_summary_of_a_passing_compare(tmp_path: Path) -> None:
+    again = shutil.copytree(dump_dir("8.3.3", "bench", "stat_L1"), tmp_path / "again")
+    result = compare(again, dump_dir("8.3.3", "bench", "stat_L1"))
     doc = summary_dict(result)
     assert (doc["passed"], doc["first_divergence"], doc["failures"]) == (True, None, [])
 
@@ -199,7 +211,7 @@ def test_reports_are_written_atomically(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_report_folder_that_cannot_be_made(tmp_path: Path) -> None:
-    result = compare(dump_dir("8.3.3", "bench", "stat_L1", 0), dump_dir("8.3.3", "bench", "stat_L1", 0))
+    result = compare(dump_dir("8.3.3", "bench", "stat_L1", 0), dump_dir("26.2.0", "bench", "stat_L1", 0))
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(ReportError, match="cannot write report"):

@@ -78,7 +78,10 @@ def test_statistics_shape_dtype_requires_grad_nonfinite() -> None:
     nan = leaf(tensor([8], float("nan"), float("nan"), float("nan"), float("nan")))
     c = check_statistics(nan, t, F32)
     assert c.status == ERROR and c.reason.startswith("NaN/Inf on one side only")
-    c = check_statistics(nan, nan, F32)
+    c = check_statistics(nan, nan, F32)  # a baseline that overflowed is no reference, whatever the target
+    assert c.status == ERROR and c.reason.startswith("the baseline's Max, Min, Mean and Norm are NaN")
+    inf = leaf(tensor([8], 0.0, float("inf"), float("inf"), float("inf")))
+    c = check_statistics(inf, inf, F32)
     assert c.status == WARNING and "both sides" in c.reason
 
 

@@ -669,7 +669,7 @@ def test_no_partial_report_when_writing_fails(tmp_path: Path, monkeypatch: pytes
     """A failure after the xlsx is written (disk full at the advisor) leaves no report at all."""
     import pytest_msprobe.report as report
 
-    result = compare(BENCH_STAT, BENCH_STAT)
+    result = compare(shutil.copytree(BENCH_STAT, tmp_path / "again"), BENCH_STAT)
     real = report.write_text
 
     def full_disk(path: Any, text: str) -> None:
@@ -780,11 +780,26 @@ def _stat_dump(tmp: Path, name: str, stats: tuple[float, float, float, float]) -
     return write_dump(tmp / name / "step0" / "rank", data).parent.parent.parent
 
 
-def test_statistics_nan_everywhere_on_both_sides_passes(
+def test_statistics_nan_on_both_sides_fails_the_baseline_cannot_be_a_reference(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The same NaN/Inf on both sides is reproduced, so it passes; each row is a warning worth a look."""
+    """NaN in the baseline's statistics: the baseline overflowed, the same NaN in the target proves nothing."""
     both = _stat_dump(tmp_path, "t", (NAN, NAN, NAN, INF)), _stat_dump(tmp_path, "b", (NAN, NAN, NAN, INF))
+    result = compare(*both)
+    assert not result.passed
+    assert {(r.status, r.reason) for r in result.rows} == {
+        (
+            "error",
+            "the baseline's Max, Min and Mean are NaN for this non-empty tensor: the baseline itself overflowed, "
+            "so it cannot be a reference; regenerate it from a healthy run",
+        )
+    }
+    assert _run(["compare", *map(str, both), "-o", str(tmp_path / "out")], capsys)[0] == 1
+
+
+def test_statistics_inf_on_both_sides_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same Inf on both sides is reproduced, so it passes; each row is a warning worth a look."""
+    both = _stat_dump(tmp_path, "t", (INF, 0.0, INF, INF)), _stat_dump(tmp_path, "b", (INF, 0.0, INF, INF))
     result = compare(*both)
     assert result.passed
     assert {(r.status, r.reason) for r in result.rows} == {
