@@ -123,7 +123,18 @@ def test_an_l1_run_against_an_l0_baseline_fails(pytester: pytest.Pytester) -> No
         *BASE, "--msprobe-baseline=baselines", "--msprobe-regen-baseline", "-o", "msprobe_level=L0"
     )
     regen.assert_outcomes(passed=1)
-    result = pytester.runpytest(*BASE, "--msprobe-baseline=baselines")  # level L1 (the default)
+    # with a manifest (or a dump.json naming its level) the baseline does not fit: an error before training
+    fit = pytester.runpytest(*BASE, "--msprobe-baseline=baselines")  # level L1 (the default)
+    fit.assert_outcomes(errors=1)
+    fit.stdout.fnmatch_lines(["*does not fit this test: it was dumped at level L0, the test runs level L1*"])
+    # a dump that does not say its level is caught by what it compares: nothing
+    for manifest in pytester.path.glob("baselines/**/msprobe_manifest.json"):
+        manifest.unlink()
+    for dump in pytester.path.glob("baselines/**/dump.json"):
+        doc = json.loads(dump.read_text())
+        del doc["level"]
+        dump.write_text(json.dumps(doc))
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=baselines")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*msprobe: too little compared: * (* of * rows, 100%) found no partner*"])
 
