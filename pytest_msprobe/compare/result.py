@@ -118,9 +118,8 @@ class PairCoverage:
     baseline_calls: int
     unmatched_calls: int  # baseline calls the target does not make
     baseline_rows: int
-    unmatched_rows: (
-        int  # baseline rows without a partner (those of unmatched calls and extra items of paired ones)
-    )
+    # baseline rows without a partner (those of unmatched calls and extra items of paired ones)
+    unmatched_rows: int
 
     @property
     def share(self) -> float:
@@ -138,9 +137,8 @@ class Coverage:
     limit: float
     pairs: tuple[PairCoverage, ...]  # CompareResult.pairs order
     over: tuple[int, ...]  # indices into pairs: those above the limit
-    first_unmatched: tuple[
-        int, ...
-    ]  # CompareResult.apis indices: the over pairs' first unmatched baseline calls
+    # CompareResult.apis indices: the over pairs' first unmatched baseline calls
+    first_unmatched: tuple[int, ...]
 
     @property
     def passed(self) -> bool:

@@ -160,9 +160,7 @@ class Thresholds:
     apis: tuple[ApiRule, ...] = ()
     amplification: float = 10.0
     msprobe_rule: bool = True
-    max_unmatched: float = (
-        DEFAULT_MAX_UNMATCHED  # share of a dump pair's baseline rows left without a partner
-    )
+    max_unmatched: float = DEFAULT_MAX_UNMATCHED  # share of a dump pair's baseline rows left unpaired
 
     def for_dtype(self, dtype: str | None) -> Tolerance:
         name = normalize_dtype(dtype)
