@@ -305,23 +305,25 @@ class MsprobeRun:
         self.dump_dir = dump_dir if dump_dir is not None else self.output_dir / "dump"
         self.report_dir = self.output_dir / "compare"
         self.ranks_dir = self.output_dir / "ranks"  # the rank processes' logs and results
-        self.debugger: Any
-        if session.active:
-            from pytest_msprobe import PrecisionDebugger
+        self.debugger: Any = _NoDump()
+        try:
+            if session.active:
+                from pytest_msprobe import PrecisionDebugger
 
-            md5 = test.task == "md5"  # msprobe's form: task statistics with summary_mode md5
-            self.debugger = PrecisionDebugger(
-                dump_path=str(self.dump_dir),
-                task="statistics" if md5 else test.task,
-                level=test.level,
-                step=list(test.steps),
-                summary_mode="md5" if md5 else None,
-                max_dump_size=test.max_dump_size,
-            )
-        else:
-            self.debugger = _NoDump()
-        self._determinism = _Determinism.save()
-        seed_all(seed=test.seed, mode=True)
+                md5 = test.task == "md5"  # msprobe's form: task statistics with summary_mode md5
+                self.debugger = PrecisionDebugger(
+                    dump_path=str(self.dump_dir),
+                    task="statistics" if md5 else test.task,
+                    level=test.level,
+                    step=list(test.steps),
+                    summary_mode="md5" if md5 else None,
+                    max_dump_size=test.max_dump_size,
+                )
+            self._determinism = _Determinism.save()
+            seed_all(seed=test.seed, mode=True)
+        except BaseException:  # no run to close: the folder is let go here
+            self._release()
+            raise
 
     @property
     def active(self) -> bool:
@@ -392,9 +394,13 @@ class MsprobeRun:
             try:
                 self._determinism.restore()
             finally:
-                lock, self._lock = self._lock, None
-                if lock is not None:
-                    os.close(lock)
+                self._release()
+
+    def _release(self) -> None:
+        """Let go of this run's output folder (another run of the test may take it)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            os.close(lock)
 
     def finish(self) -> Outcome:
         """After the test body: close the debugger, then regenerate the baseline or compare against it.
