@@ -301,6 +301,13 @@ class MsprobeRun:
         if session.active and not self.rank_process:
             # a folder of its own: the same test in another worker or session never shares or clears it
             self.output_dir, self._lock = claim_folder(self.output_dir)
+            try:  # a test's output folder linked into the baselines must not be cleared
+                for baseline in (session.baseline, self.baseline_dir):
+                    if baseline is not None:
+                        check_apart(self.output_dir, baseline, "the test's output folder")
+            except ConfigError:
+                self._release()
+                raise
             _clear(self.output_dir)  # what an earlier run of this test left
         self.dump_dir = dump_dir if dump_dir is not None else self.output_dir / "dump"
         self.report_dir = self.output_dir / "compare"

@@ -86,6 +86,22 @@ def test_an_output_folder_inside_a_linked_baseline_folder_is_an_error_of_the_tes
     assert _snapshot(elsewhere) == before
 
 
+def test_a_test_output_folder_linked_into_the_baselines_is_never_cleared(
+    pytester: pytest.Pytester, train_test
+) -> None:
+    train_test()
+    _regen(pytester)
+    before = _snapshot(pytester.path / "bl")
+    out = pytester.path / "msprobe-output" / "test_train" / "test_train"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    os.symlink(_folder(pytester), out)
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=bl")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*the test's output folder * the baseline folder *"])
+    assert _snapshot(pytester.path / "bl") == before
+
+
 @pytest.mark.parametrize("option", ["--msprobe-baseline=", "--msprobe-baseline=  ", "--msprobe-output="])
 def test_an_empty_option_is_a_usage_error_not_an_off_switch(
     pytester: pytest.Pytester, train_test, option: str
