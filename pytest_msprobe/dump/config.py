@@ -11,6 +11,7 @@ the key, the value and (when it came from a file) the file.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -58,23 +59,75 @@ _KNOWN_TOP_KEYS = frozenset(
         "dump_enable",
         "is_rerun",
         "extra_info",
+        "risk_level",
+        "custom_op_namespaces",
+        "load",
     }
 )
-_OTHER_TASK_SECTIONS = frozenset(
+# the keys msprobe's task sections take (8.x and 26.x, PyTorch): those every section reads, then each one's own
+_SECTION_COMMON_KEYS = frozenset(
     {
-        "statistics",
-        "tensor",
-        "overflow_check",
-        "free_benchmark",
-        "run_ut",
-        "grad_probe",
-        "structure",
-        "acc_check",
-        "exception_dump",
-        "diff_check",
-        "nan_check",
+        "scope",
+        "list",
+        "data_mode",
+        "summary_mode",
+        "file_format",
+        "slice",
+        "request_id",
+        "diff_nums",
+        "overflow_nums",
+        "check_mode",
+        "fuzz_device",
+        "pert_mode",
+        "handler_type",
+        "fuzz_level",
+        "fuzz_stage",
+        "if_preheat",
+        "preheat_step",
+        "max_sample",
     }
 )
+_RUN_UT_KEYS = frozenset(
+    {
+        "white_list",
+        "black_list",
+        "error_data_path",
+        "master_ip",
+        "master_port",
+        "is_online",
+        "is_benchmark_device",
+        "rank_list",
+        "nfs_path",
+        "host",
+        "port",
+        "tls_path",
+    }
+)
+_SECTION_KEYS: dict[str, frozenset[str]] = {
+    "statistics": frozenset({"tensor_list"}),
+    "tensor": frozenset(
+        {
+            "bench_path",
+            "backward_input",
+            "online_run_ut",
+            "online_run_ut_recompute",
+            "nfs_path",
+            "host",
+            "port",
+            "tls_path",
+        }
+    ),
+    "overflow_check": frozenset(),
+    "free_benchmark": frozenset(),
+    "run_ut": _RUN_UT_KEYS,
+    "acc_check": _RUN_UT_KEYS,
+    "grad_probe": frozenset({"grad_level", "param_list", "bounds"}),
+    "structure": frozenset(),
+    "exception_dump": frozenset(),
+    "diff_check": frozenset(),
+    "nan_check": frozenset({"tensor_list"}),
+}
+_OTHER_TASK_SECTIONS = frozenset(_SECTION_KEYS)
 
 
 @dataclass(frozen=True)
@@ -254,6 +307,30 @@ def read_config_file(config_path: PathLike) -> dict[str, Any]:
     return data
 
 
+def _unknown_key(key: str, known: Iterable[str], where: str) -> str:
+    near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return f"{where}: ignoring unknown key {key!r}{hint}"
+
+
+def _warn_unknown_keys(file_data: dict[str, Any], source: str) -> None:
+    """Warn of every key msprobe would not read, at the top level and in each task section, naming the file,
+    the section and the nearest known key: a misspelt key (``summary_mod``) would otherwise change nothing, in
+    silence."""
+    top = _KNOWN_TOP_KEYS | _OTHER_TASK_SECTIONS
+    for key in file_data:
+        if key not in top:
+            warnings.warn(_unknown_key(key, top, source), stacklevel=4)
+    for name, known in _SECTION_KEYS.items():
+        section = file_data.get(name)
+        if not isinstance(section, dict):
+            continue  # (the section of the task in use is checked where it is read)
+        keys = _SECTION_COMMON_KEYS | known
+        for key in section:
+            if key not in keys:
+                warnings.warn(_unknown_key(key, keys, f"{source}: section {name!r}"), stacklevel=4)
+
+
 def build_config(
     config_path: PathLike | None = None,
     *,
@@ -271,9 +348,8 @@ def build_config(
     """Merge a config file (optional) with explicit arguments (which win) into a validated DumpConfig."""
     source = os.fspath(config_path) if config_path is not None else None
     file_data: dict[str, Any] = read_config_file(config_path) if config_path is not None else {}
-    unknown = sorted(set(file_data) - _KNOWN_TOP_KEYS - _OTHER_TASK_SECTIONS)
-    if unknown:
-        warnings.warn(f"{source}: ignoring unknown keys {', '.join(unknown)}", stacklevel=3)
+    if source is not None:
+        _warn_unknown_keys(file_data, source)
 
     def pick(key: str, explicit: Any, default: Any = None) -> tuple[Any, str | None]:
         if explicit is not None:

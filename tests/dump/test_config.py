@@ -110,5 +110,93 @@ def test_missing_dump_path_and_broken_files(tmp_path: Path) -> None:
 
 def test_unknown_keys_warn(tmp_path: Path) -> None:
     path = _write(tmp_path, {"dump_path": "d", "dump_evrything": True})
-    with pytest.warns(UserWarning, match="ignoring unknown keys dump_evrything"):
+    with pytest.warns(UserWarning, match="ignoring unknown key 'dump_evrything'"):
         build_config(path)
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        (
+            {"task": "statistics", "statistics": {"summary_mod": "md5"}},
+            "section 'statistics': ignoring unknown key 'summary_mod' (did you mean 'summary_mode'?)",
+        ),
+        (
+            {"task": "tensor", "tensor": {"scop": []}},
+            "section 'tensor': ignoring unknown key 'scop' (did you mean 'scope'?)",
+        ),
+        (  # a section of another task is read for typos too
+            {"task": "statistics", "overflow_check": {"overflow_num": 1}},
+            "section 'overflow_check': ignoring unknown key 'overflow_num' (did you mean 'overflow_nums'?)",
+        ),
+        (
+            {"task": "statistics", "grad_probe": {"grad_levle": "L1"}},
+            "section 'grad_probe': ignoring unknown key 'grad_levle' (did you mean 'grad_level'?)",
+        ),
+        ({"levle": "L1"}, ": ignoring unknown key 'levle' (did you mean 'level'?)"),
+        ({"statistics": {"zzz": 1}}, "section 'statistics': ignoring unknown key 'zzz'"),
+    ],
+)
+def test_unknown_keys_of_any_section_warn_with_the_nearest_known_key(
+    tmp_path: Path, doc: dict[str, Any], message: str
+) -> None:
+    from pytest_msprobe import PrecisionDebugger
+
+    path = _write(tmp_path, {"dump_path": str(tmp_path / "d"), **doc})
+    with pytest.warns(UserWarning) as caught:
+        PrecisionDebugger(config_path=path)
+    texts = [str(w.message) for w in caught]
+    assert texts == [f"{path}{message}" if message.startswith(":") else f"{path}: {message}"]
+    assert caught[0].filename == __file__, "the warning points at the PrecisionDebugger(...) line"
+
+
+def test_msprobe_config_files_raise_no_warning(tmp_path: Path) -> None:
+    import warnings
+
+    for version in ("msprobe-8.3.3", "msprobe-26.2.0"):
+        config = Path(__file__).parents[1] / "data" / "msprobe" / version / "configs" / "md5_L1.json"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            build_config(config, dump_path=str(tmp_path))
+    full = {  # every key msprobe's own examples show
+        "task": "statistics",
+        "dump_path": "d",
+        "rank": [],
+        "step": [],
+        "level": "L1",
+        "async_dump": False,
+        "extra_info": True,
+        "dump_enable": True,
+        "precision": "low",
+        "statistics": {
+            "scope": [],
+            "list": [],
+            "tensor_list": [],
+            "data_mode": ["all"],
+            "summary_mode": "statistics",
+        },
+        "tensor": {
+            "scope": [],
+            "list": [],
+            "data_mode": ["all"],
+            "bench_path": "b",
+            "summary_mode": "md5",
+            "diff_nums": 5,
+        },
+        "acc_check": {"white_list": [], "black_list": [], "error_data_path": "./"},
+        "overflow_check": {"overflow_nums": 1, "check_mode": "all"},
+        "free_benchmark": {
+            "fuzz_device": "npu",
+            "pert_mode": "improve_precision",
+            "handler_type": "check",
+            "fuzz_level": "L1",
+            "fuzz_stage": "forward",
+            "if_preheat": False,
+            "preheat_step": 15,
+            "max_sample": 20,
+        },
+        "grad_probe": {"grad_level": "L1", "param_list": [], "bounds": [-1, 0, 1]},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_config(_write(tmp_path, full))
