@@ -42,6 +42,8 @@ _as_tensor = _VF.as_tensor
 _abs = _VF.abs
 _clone = _VF.clone
 _stack = _VF.stack
+_cat = _VF.cat
+_split = _TB.split
 _narrow = _VF.narrow
 _unbind = _VF.unbind
 _div = _VF.div
@@ -167,10 +169,12 @@ class _Group:
             rows = _reshape(_stack([copy for _, copy in members]), (len(members), -1))
             # amax and amin: aminmax along a dimension is many times slower on CPU
             mx, mn = _amax(rows, 1), _amin(rows, 1)
-            if kind == _K_LOW:
-                results = (mx, mn, _sum(rows, 1, dtype=_F32), _vector_norm(rows, 2, 1, dtype=_F32))
-            else:
-                results = (mx, mn, _sum(rows, 1), _vector_norm(rows, 2, 1))
+            # each row is at most one block: accumulated as _sum_and_norm does a block
+            low = _F32 if kind == _K_LOW else None
+            device = rows.device.type
+            wide = _F64 if device in _WIDE_SUMS else low
+            norm_dtype = _F64 if device == "cuda" else low
+            results = (mx, mn, _sum(rows, 1, dtype=wide), _vector_norm(rows, 2, 1, dtype=norm_dtype))
             for col, values in zip(cols, results):
                 for (row, _), value in zip(members, _unbind(values)):
                     col[row] = value
@@ -181,27 +185,81 @@ _Ref = Optional[tuple[_Group, int]]
 _SMALL = 4096
 
 
+# Accurate at any size, with no host sync. A float32 sum of values that cancel (a gradient, a normalised
+# activation) loses digits at any size (1 in 10 random zero-mean tensors' means were more than 1e-6 off their
+# float64 value), so sums accumulate in float64 on the CPU (a chunk at a time: one conversion of a large tensor
+# would leave the cache) and on CUDA. A norm adds squares, which never cancel, but one float32 accumulation drifts
+# with the number of terms (torch's CPU norm of 1M float32 elements was 4e-4 off, of 64M elements 5e-2): norms are
+# taken over blocks of ``_BLOCK`` elements, then over the blocks' results, and so on, which keeps them within
+# ~3e-7 in float32 (CUDA: float64 outright). Devices that may lack float64 (NPU, MPS) take sums by blocks too.
+_CHUNK = 1 << 18
+_BLOCK = 2048
+_WIDE_SUMS = frozenset({"cpu", "cuda"})  # devices whose sums accumulate in float64
+
+
+def _blocks(flat: torch.Tensor, reduce: Callable[..., torch.Tensor], dtype: Any) -> torch.Tensor:
+    """``reduce`` (a sum or a 2-norm, which combine blockwise) of a 1-d tensor, block by block, each level's
+    results reduced again until one block is left: no accumulation runs over more than ``_BLOCK`` terms."""
+    n = flat.shape[0]
+    while n > _BLOCK:
+        whole = n - n % _BLOCK
+        level = reduce(_reshape(_narrow(flat, 0, 0, whole), (-1, _BLOCK)), 1, dtype=dtype)
+        if whole != n:
+            rest = reduce(_narrow(flat, 0, whole, n - whole), 0, dtype=dtype)
+            level = _cat((level, _reshape(rest, (1,))))
+        flat, n, dtype = level, level.shape[0], None
+    return reduce(flat, 0, dtype=dtype)
+
+
+def _block_sum(t: torch.Tensor, dim: int, dtype: Any = None) -> torch.Tensor:
+    return _sum(t, dim, dtype=dtype)
+
+
+def _block_norm(t: torch.Tensor, dim: int, dtype: Any = None) -> torch.Tensor:
+    return _vector_norm(t, 2, dim, dtype=dtype)
+
+
+def _sum_and_norm(t: torch.Tensor) -> tuple[Any, Any]:
+    """The sum and 2-norm of a non-empty tensor, accurate whatever its size (see above); float16 and bfloat16
+    accumulate in float32 at least."""
+    device = t.device.type
+    low = _F32 if t.dtype in _LOW_FLOATS else None
+    if device == "cuda":
+        return _sum(t, dtype=_F64), _vector_norm(t, dtype=_F64)
+    n = t.numel()
+    if n <= _BLOCK:
+        total = _sum(t, dtype=_F64 if device in _WIDE_SUMS else low)
+        return total, _vector_norm(t, dtype=low)
+    flat = _reshape(t, (-1,))  # a view of a contiguous tensor; a copy of another
+    if device != "cpu":
+        return _blocks(flat, _block_sum, low), _blocks(flat, _block_norm, low)
+    if n <= _CHUNK:
+        total = _sum(flat, dtype=_F64)
+    else:
+        total = _sum(_stack([_sum(chunk, dtype=_F64) for chunk in _split(flat, _CHUNK)]))
+    return total, _blocks(flat, _block_norm, low)
+
+
 def _numeric(t: torch.Tensor, kind: int) -> tuple[Any, Any, Any, Any]:
     """Max, min, sum and 2-norm of a non-empty tensor with at least one dimension (no host sync)."""
     if kind in (_K_F32, _K_F64):
         if t.numel() > _SMALL:  # on large tensors, amax + amin run faster than aminmax
-            return _amax(t), _amin(t), _sum(t), _vector_norm(t)
+            return (_amax(t), _amin(t), *_sum_and_norm(t))
         mn, mx = _aminmax(t)
-        return mx, mn, _sum(t), _vector_norm(t)
+        return (mx, mn, *_sum_and_norm(t))
     if kind == _K_LOW:
         mn, mx = _aminmax(t)
-        return mx, mn, _sum(t, dtype=_F32), _vector_norm(t, dtype=_F32)
+        return (mx, mn, *_sum_and_norm(t))
     if kind == _K_INT:
         mn, mx = _aminmax(t)  # exact, in the integer dtype
-        as_float = _to(t, _F32)
-        return mx, mn, _sum(as_float), _vector_norm(as_float)
+        return (mx, mn, *_sum_and_norm(_to(t, _F64 if t.device.type in _WIDE_SUMS else _F32)))
     if kind == _K_COMPLEX:
         mag = _abs(t)
         mn, mx = _aminmax(mag)
-        return mx, mn, _sum(mag), None
+        return mx, mn, _sum_and_norm(mag)[0], None
     as_float = _to(t, _F32)  # _K_CAST: float8 and other exotic floats, in float32
     mn, mx = _aminmax(as_float)
-    return mx, mn, _sum(as_float), _vector_norm(as_float)
+    return (mx, mn, *_sum_and_norm(as_float))
 
 
 def crc32_hex(t: torch.Tensor) -> str:
