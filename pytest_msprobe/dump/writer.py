@@ -6,7 +6,8 @@ Layout, as msprobe writes it::
 
 ``rank`` when torch.distributed is not initialized, ``rank{R}`` when it is. Each JSON file is written to a
 temporary file in the same folder and renamed over the target; tensor files are saved into a hidden staging
-folder that is renamed to ``dump_tensor_data`` when the step stops. A crash never leaves a half-written file.
+folder that is renamed to ``dump_tensor_data`` when the step's files are written, right before its dump.json. A
+crash never leaves a half-written file.
 """
 
 from __future__ import annotations
@@ -207,13 +208,22 @@ class TensorWriter:
             self.files_written += 1
 
     def discard(self) -> None:
-        """Drop what is pending and staged (after a failure): nothing of it is published."""
+        """Drop what is pending and staged (after a failure or an interruption): nothing of it is published.
+
+        Idempotent: cut while deleting, the next call deletes the rest.
+        """
         self._pending, self._pending_bytes = [], 0
-        if self._staged:
+        if self._staged or self.staging.exists():
             shutil.rmtree(self.staging, ignore_errors=True)
             self._staged = False
 
-    def _publish(self) -> None:
+    def save(self) -> None:
+        """Save every pending snapshot into the staging folder (not published yet)."""
+        with self._quiet():
+            self._save_pending()
+
+    def publish(self) -> None:
+        """Make the staged files appear in ``folder`` (one rename, or moves into an existing folder)."""
         if not self._staged:
             return
         try:
@@ -231,9 +241,8 @@ class TensorWriter:
 
     def join(self) -> None:
         """Save every pending snapshot and publish the files; raise DumpError if one could not be written."""
-        with self._quiet():
-            self._save_pending()
-        self._publish()
+        self.save()
+        self.publish()
 
     def close(self) -> None:
         """Save and publish what is pending."""
@@ -255,7 +264,8 @@ class BackgroundJobs:
     """Runs jobs one at a time on a background thread (a step's JSON files), surfacing errors later.
 
     The thread is not a daemon: the interpreter waits for the files before it exits. :meth:`wait` blocks until
-    the current job is done and raises :class:`DumpError` if a job failed; :meth:`check` raises without waiting.
+    the current job is done and raises :class:`DumpError` if a job failed; :meth:`check` raises without waiting,
+    :meth:`join` waits without raising.
     """
 
     def __init__(self, on_thread_start: Callable[[], None] | None = None) -> None:
@@ -266,8 +276,9 @@ class BackgroundJobs:
     def submit(self, job: Any) -> None:
         self.wait()  # one at a time, in order: a later step's files never overtake an earlier one's
         thread = threading.Thread(target=self._run, args=(job,), name="pytest-msprobe-writer")
-        self._thread = thread
         thread.start()
+        # kept once started: a thread that never started is never joined (join() would raise)
+        self._thread = thread
 
     def _run(self, job: Any) -> None:
         try:
@@ -289,8 +300,14 @@ class BackgroundJobs:
                 raise error
             raise DumpError(f"writing the dump failed: {error}") from error
 
+    def join(self) -> None:
+        """Wait for the current job, keeping its error (if any) for :meth:`wait` / :meth:`check`."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None  # after the join: cut during it, the next call joins again
+
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Wait for the current job; raise DumpError if a job failed."""
+        self.join()
         self.check()
