@@ -389,8 +389,8 @@ class Recorder:
             return orig(*args, **kwargs)
         tls = _tls
         prev = tls.active
-        tls.active = None  # calls nested in this one are not recorded
         try:
+            tls.active = None  # calls nested in this one are not recorded
             counts = self.counter.counts
             index = counts.get(api, 0)
             counts[api] = index + 1
@@ -414,9 +414,9 @@ class Recorder:
             if want_fwd:
                 entry = {}
                 if select.fwd_in:
-                    if grad:
-                        _set_grad_enabled(False)
                     try:
+                        if grad:
+                            _set_grad_enabled(False)
                         prefix = f"{fwd}.input" if self.names else None
                         entry["input_args"], entry["input_kwargs"] = self._analyze_args(args, kwargs, prefix)
                     finally:
@@ -427,9 +427,9 @@ class Recorder:
             out = orig(*args, **kwargs)
             if entry is not None:
                 if select.fwd_out:
-                    if grad:
-                        _set_grad_enabled(False)
                     try:
+                        if grad:
+                            _set_grad_enabled(False)
                         entry["output"] = self._analyze_out(out, f"{fwd}.output" if self.names else None)
                     finally:
                         if grad:
@@ -481,8 +481,8 @@ class Recorder:
             return
         tls = _tls
         prev = tls.active
-        tls.active = None
         try:
+            tls.active = None
             grads_in: list[Any] = []
             grads_out: list[Any] = []
             for part in record.parts:
@@ -543,8 +543,8 @@ class Recorder:
             return  # another thread runs the model
         tls = _tls
         prev = tls.active
-        tls.active = None
         try:
+            tls.active = None
             base = info[0]
             index = self.counter.next(base)
             call = _ModuleCall()
@@ -594,8 +594,8 @@ class Recorder:
             return
         tls = _tls
         prev = tls.active
-        tls.active = None
         try:
+            tls.active = None
             call = self.module_stack.pop()
             base, params = info
             fwd = call.fwd
@@ -660,10 +660,10 @@ class Recorder:
         record.done = True
         tls = _tls
         prev_active = tls.active
-        tls.active = None
         prev = _is_grad_enabled()
-        _set_grad_enabled(False)
         try:
+            tls.active = None
+            _set_grad_enabled(False)
             grads_out: list[Any] = []
             for contributions in record.grads_out:
                 if not contributions:
@@ -720,8 +720,8 @@ class Recorder:
             return
         tls = _tls
         prev = tls.active
-        tls.active = None
         try:
+            tls.active = None
             for (pg, pname), param in due.items():
                 grad = param.grad
                 if grad is None:
@@ -745,8 +745,8 @@ class Recorder:
             return orig(*args, **kwargs)
         tls = _tls
         prev = tls.active
-        tls.active = None
         try:
+            tls.active = None
             fwd = f"{api}.{self.counter.next(api)}.{FORWARD}"
             select = self.select
             wanted = select.forward
@@ -762,9 +762,9 @@ class Recorder:
             entry: dict[str, Any] = {}
             if select.fwd_in:
                 grad = _is_grad_enabled()
-                if grad:
-                    _set_grad_enabled(False)
                 try:
+                    if grad:
+                        _set_grad_enabled(False)
                     prefix = f"{fwd}.input" if self.names else None
                     entry["input_args"], entry["input_kwargs"] = self._analyze_args(args, kwargs, prefix)
                 finally:
@@ -807,10 +807,10 @@ class Recorder:
             return
         tls = _tls
         prev_active = tls.active
-        tls.active = None
         prev = _is_grad_enabled()
-        _set_grad_enabled(False)
         try:
+            tls.active = None
+            _set_grad_enabled(False)
             self.engine.forget(collective_tensors(pending.args, pending.kwargs))
             entry["output"] = self._collective_output(pending.name, pending.args, pending.kwargs)
         except BaseException as exc:
@@ -824,9 +824,9 @@ class Recorder:
         """msprobe's ``output`` of a collective: its arguments after the call, positional then keyword values."""
         values = [*args, *kwargs.values()]
         grad = _is_grad_enabled()
-        if grad:
-            _set_grad_enabled(False)
         try:
+            if grad:
+                _set_grad_enabled(False)
             if not self.names:
                 return [self.analyze(v, None, False) for v in values]
             return [self.analyze(v, f"{fwd}.output.{i}", False) for i, v in enumerate(values)]

@@ -49,6 +49,7 @@ from pytest_msprobe.dump.capture import Recorder
 from pytest_msprobe.dump.config import DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
 from pytest_msprobe.dump.signals import deferred_signals
+from pytest_msprobe.dump.signals import heal as heal_signal_handlers
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.writer import (
     TENSOR_DIR,
@@ -209,6 +210,7 @@ class PrecisionDebugger:
             self._detach()
             self._drop_step()
         self._files.join()
+        heal_signal_handlers()
 
     def close(self) -> None:
         """Stop, finish writing, and release everything; the debugger cannot be started again."""
@@ -222,6 +224,7 @@ class PrecisionDebugger:
                 self._files.wait()
             finally:
                 self._closed = True
+                heal_signal_handlers()
 
     def wait(self) -> None:
         """Block until every file of the steps stopped so far is written; raises DumpError if one failed."""

@@ -166,8 +166,8 @@ def quiet() -> Iterator[None]:
     """A context in which the calling thread's torch calls are not recorded."""
     tls = _tls
     prev = tls.active
-    tls.active = None
     try:
+        tls.active = None
         yield
     finally:
         tls.active = prev

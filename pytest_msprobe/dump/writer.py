@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable
 
+from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.errors import DumpError, PathLike
 
 DUMP_JSON = "dump.json"
@@ -167,6 +168,7 @@ class TensorWriter:
         self._max_pending = max_pending_bytes
         self._quiet = quiet or contextlib.nullcontext
         self._staged = False  # whether the staging folder exists and holds unpublished files
+        self._made: list[Path] = []  # folders created for the staging folder
         self._budget = budget
         self.files_written = 0
 
@@ -188,6 +190,8 @@ class TensorWriter:
         if not self._pending:
             return
         if not self._staged:
+            # the folders made here (the step's rank folder and the step folder, say) go again if it is discarded
+            self._made = [p for p in self.staging.parents if not p.exists()]
             try:
                 self.staging.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -200,7 +204,10 @@ class TensorWriter:
             if tensor.device.type != "cpu":
                 tensor = tensor.cpu()
             try:
-                torch.save(tensor, self.staging / name)
+                # torch.save calls back into Python from C and can lose the exception a signal handler raises
+                # there (a Ctrl-C would vanish): signals wait until the file is saved
+                with deferred_signals():
+                    torch.save(tensor, self.staging / name)
             except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
                 # the staged files are not published: drop them all, a failed dump must not keep filling the disk
                 self.discard()
@@ -216,6 +223,12 @@ class TensorWriter:
         if self._staged or self.staging.exists():
             shutil.rmtree(self.staging, ignore_errors=True)
             self._staged = False
+            for folder in self._made:  # innermost first, while nothing else is in them
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+            self._made = []
 
     def save(self) -> None:
         """Save every pending snapshot into the staging folder (not published yet)."""
@@ -270,23 +283,27 @@ class BackgroundJobs:
 
     def __init__(self, on_thread_start: Callable[[], None] | None = None) -> None:
         self._thread: threading.Thread | None = None
+        self._done: threading.Event | None = None  # set by the job's thread when the job is over
         self._error: BaseException | None = None
         self._on_thread_start = on_thread_start
 
     def submit(self, job: Any) -> None:
         self.wait()  # one at a time, in order: a later step's files never overtake an earlier one's
-        thread = threading.Thread(target=self._run, args=(job,), name="pytest-msprobe-writer")
+        done = threading.Event()
+        thread = threading.Thread(target=self._run, args=(job, done), name="pytest-msprobe-writer")
         thread.start()
-        # kept once started: a thread that never started is never joined (join() would raise)
-        self._thread = thread
+        # kept once started: a thread that never started is never waited for
+        self._thread, self._done = thread, done
 
-    def _run(self, job: Any) -> None:
+    def _run(self, job: Any, done: threading.Event) -> None:
         try:
             if self._on_thread_start is not None:
                 self._on_thread_start()
             job()
         except BaseException as exc:  # kept for wait(): a failed write must not go unnoticed
             self._error = exc
+        finally:
+            done.set()
 
     @property
     def busy(self) -> bool:
@@ -301,11 +318,19 @@ class BackgroundJobs:
             raise DumpError(f"writing the dump failed: {error}") from error
 
     def join(self) -> None:
-        """Wait for the current job, keeping its error (if any) for :meth:`wait` / :meth:`check`."""
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-            self._thread = None  # after the join: cut during it, the next call joins again
+        """Wait for the current job, keeping its error (if any) for :meth:`wait` / :meth:`check`.
+
+        Waits on the job's own event first: an interrupted ``Thread.join`` of CPython 3.11 marks a thread that is
+        still running as stopped, after which join() returns at once. Once the event is set, the thread has only
+        to return.
+        """
+        thread, done = self._thread, self._done
+        if thread is None:
+            return
+        if done is not None:
+            done.wait()
+        thread.join()
+        self._thread = self._done = None  # after the wait: cut during it, the next call waits again
 
     def wait(self) -> None:
         """Wait for the current job; raise DumpError if a job failed."""
