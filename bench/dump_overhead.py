@@ -21,6 +21,11 @@ Models: TinyResNet of ``tests/data/msprobe/make_dumps.py`` at width 8 (batch 8x3
 reference dumps) and width 32 (32x3x32x32), and torchvision's ``resnet50(weights=None)`` (4x3x64x64).
 ``--threads`` sets ``torch.set_num_threads`` (default 1: the runs share the machine with other work, and one
 thread keeps the plain and dumped steps comparable).
+
+``--calls`` times one API wrapper instead, in nanoseconds per call (best of several rounds): the wrapper's own
+cost where nothing is recorded (a debugger started, the call made inside ``intercept.quiet()``: a wrapper of
+``len`` against ``len``), a plain ``torch.add`` of two 4-element tensors, and the same call recorded (task
+statistics, L1, the statistics of its three tensors included).
 """
 
 from __future__ import annotations
@@ -197,6 +202,59 @@ def run_config(spec: ModelSpec, config_name: str, workdir: Path) -> Row:
     return row
 
 
+def _best_ns_per_call(fn: Callable[[], None], calls: int, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter_ns() - start) / calls)
+    return best
+
+
+def time_calls(workdir: Path, calls: int = 20000, rounds: int = 15) -> dict[str, float]:
+    """Nanoseconds per call: a wrapper's own cost when it records nothing, and a recorded ``torch.add``."""
+    from pytest_msprobe.dump import intercept
+
+    a, b = torch.ones(4), torch.ones(4)
+    items = (1, 2, 3)
+    wrapped_len = intercept._make_wrapper(len, "Torch.len")  # the wrapper of a function that costs nothing
+
+    def bare() -> None:
+        len(items)
+
+    def through() -> None:
+        wrapped_len(items)
+
+    out: dict[str, float] = {}
+    debugger = PrecisionDebugger(dump_path=workdir / "calls", task="statistics", level="L1")
+    debugger.start()
+    with intercept.quiet():  # wrappers installed, this thread records nothing
+        bare_ns = through_ns = float("inf")
+        for _ in range(rounds):  # alternated, best of each: the machine's other load shows in neither
+            bare_ns = min(bare_ns, _best_ns_per_call(bare, calls, 1))
+            through_ns = min(through_ns, _best_ns_per_call(through, calls, 1))
+    debugger.stop()
+    debugger.step()
+    out["wrapper, not recording (own cost)"] = through_ns - bare_ns
+    add = torch.add
+    out["plain torch.add"] = _best_ns_per_call(lambda: add(a, b), calls, rounds)
+    best = float("inf")
+    for _ in range(rounds):
+        debugger.start()
+        add = torch.add  # the wrapper
+        start = time.perf_counter_ns()
+        for _ in range(calls // 10):
+            add(a, b)
+        best = min(best, (time.perf_counter_ns() - start) / (calls // 10))
+        debugger.stop()
+        debugger.step()
+        debugger.wait()
+    out["recorded torch.add"] = best
+    debugger.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "large", "resnet50"])
@@ -206,8 +264,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where dumps are written (default: a temp dir)"
     )
+    parser.add_argument("--calls", action="store_true", help="time one API wrapper per call instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.calls:
+        workdir = args.workdir or Path(tempfile.mkdtemp(prefix="msprobe-bench-"))
+        try:
+            timings = time_calls(workdir)
+        finally:
+            if args.workdir is None:
+                shutil.rmtree(workdir, ignore_errors=True)
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
+        for what, ns in timings.items():
+            print(f"{what:36} {ns:9.0f} ns/call")
+        if args.json:
+            args.json.write_text(json.dumps({"torch": torch.__version__, "calls_ns": timings}, indent=1))
+        return 0
     specs = model_specs()
     rows: list[Row] = []
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="msprobe-bench-"))

@@ -23,11 +23,24 @@ final callback of the autograd engine, queued so that it runs after those queued
 **Collectives.** The wrappers of ``torch.distributed`` hand each call to :meth:`Recorder.dist_call`; what its
 record holds and when is told in :mod:`.collectives`.
 
+**Threads.** A recorder belongs to the thread that started it (``owner``). API calls reach it through that
+thread's slot in :mod:`.intercept`; its module hooks, optimizer hooks and parameter-gradient hooks return at once
+on any other thread, except on a thread Python did not create (an autograd device thread) while it runs a backward
+pass this recorder claimed. The hooks it put on autograd nodes are its own whatever thread the engine runs them
+on; the first of them to run on another thread claims that backward pass (:func:`.intercept.claim_backward`).
+
+**Interruptions.** A ``KeyboardInterrupt`` (or any exception that is not an ``Exception``: ``SystemExit``, a test
+timeout) passing through the recorder's code may leave a record half-built; the recorder then marks itself
+``broken``, and the debugger drops the step instead of writing it. Ordinary exceptions raised by the wrapped
+functions (a shape error the program catches) leave the records whole and change nothing. After ``closed``, every
+hook and wrapper reaching the recorder returns without touching it.
+
 No gradient or activation is kept alive by the capture beyond the hook that records it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -43,7 +56,13 @@ from pytest_msprobe.dump.collectives import (
     works_of,
 )
 from pytest_msprobe.dump.config import DumpConfig
-from pytest_msprobe.dump.intercept import _tls
+from pytest_msprobe.dump.intercept import (
+    _tls,
+    claim_backward,
+    is_foreign_thread,
+    owns_backward,
+    release_backward,
+)
 from pytest_msprobe.dump.naming import (
     BACKWARD,
     FORWARD,
@@ -64,6 +83,7 @@ _get_sequence_nr: Callable[[], int] = getattr(torch._C._autograd, "_get_sequence
 _add = torch._C._VariableFunctions.add
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
+_get_ident = threading.get_ident
 
 
 def _queue_callback(callback: Callable[[], None]) -> None:
@@ -131,10 +151,19 @@ class _ApiBackward:
 
     def hook(self, index: int) -> Callable[[Any, Any], None]:
         def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
-            self.parts[index] = (tuple(grad_outputs), tuple(grad_inputs))
-            self.want -= 1
-            if self.want == 0:
-                self.recorder.emit_api_backward(self)
+            recorder = self.recorder
+            if recorder.closed:
+                return
+            if _get_ident() != recorder.owner:
+                claim_backward(recorder)
+            try:
+                self.parts[index] = (tuple(grad_outputs), tuple(grad_inputs))
+                self.want -= 1
+                if self.want == 0:
+                    recorder.emit_api_backward(self)
+            except BaseException as exc:
+                recorder.interrupted(exc)
+                raise
 
         return on_node
 
@@ -176,19 +205,37 @@ class _ModuleBackward:
 
     def output_hook(self, slots: list[tuple[int, int]]) -> Callable[[Any, Any], None]:
         def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
-            for position, output_nr in slots:
-                self.grads_in[position] = grad_outputs[output_nr]
-            self._arrived()
+            recorder = self.recorder
+            if recorder.closed:
+                return
+            if _get_ident() != recorder.owner:
+                claim_backward(recorder)
+            try:
+                for position, output_nr in slots:
+                    self.grads_in[position] = grad_outputs[output_nr]
+                self._arrived()
+            except BaseException as exc:
+                recorder.interrupted(exc)
+                raise
 
         return on_node
 
     def consumer_hook(self, slots: list[tuple[int, int]]) -> Callable[[Any, Any], None]:
         def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
-            for edge_index, position in slots:
-                grad = grad_inputs[edge_index]
-                if grad is not None:
-                    self.grads_out[position].append(grad)
-            self._arrived()
+            recorder = self.recorder
+            if recorder.closed:
+                return
+            if _get_ident() != recorder.owner:
+                claim_backward(recorder)
+            try:
+                for edge_index, position in slots:
+                    grad = grad_inputs[edge_index]
+                    if grad is not None:
+                        self.grads_out[position].append(grad)
+                self._arrived()
+            except BaseException as exc:
+                recorder.interrupted(exc)
+                raise
 
         return on_node
 
@@ -196,6 +243,29 @@ class _ModuleBackward:
         self.pending -= 1
         if self.pending == 0 and not self.done:
             self.recorder.emit_module_backward(self)
+
+
+class _ParamsHook:
+    """The post-accumulate-grad hook of one parameter (a class, so that a sweep can tell it is ours)."""
+
+    __slots__ = ("pg", "pname", "recorder")
+
+    def __init__(self, recorder: Recorder, pg: str, pname: str) -> None:
+        self.recorder = recorder
+        self.pg = pg
+        self.pname = pname
+
+    def __call__(self, param: torch.Tensor) -> None:
+        recorder = self.recorder
+        if recorder.closed or param.grad is None or not recorder._params_grad_ok.get(self.pg):
+            return
+        if _get_ident() != recorder.owner and not recorder.foreign_mine():
+            return  # another thread's backward pass
+        try:
+            recorder.grad_accumulated(self.pg, self.pname, param)
+        except BaseException as exc:
+            recorder.interrupted(exc)
+            raise
 
 
 # -- the recorder -------------------------------------------------------------------------------------------------
@@ -219,7 +289,14 @@ class Recorder:
         self.module_stack: list[_ModuleCall] = []
         self.in_optimizer = False
         self.closed = False
+        # an interruption cut through the capture: the records may be half-built, the step is not written
+        self.broken = False
+        self.owner = _get_ident()  # the thread whose step this is (set again by the debugger's start)
         self._handles: list[Any] = []
+        # what to sweep if a hook's handle was lost (an interruption between registering it and keeping it)
+        self._model: torch.nn.Module | None = None
+        self._hooks_kept = True
+        self._optimizer_hooked = False
         self._api_pending: list[_ApiBackward] = []
         self._module_pending: list[_ModuleBackward] = []
         self._module_info: dict[int, tuple[str, list[tuple[str, torch.nn.Parameter]]]] = {}
@@ -231,6 +308,15 @@ class Recorder:
         self.dist_pending: dict[int, PendingCollective] = {}
 
     # -- helpers ------------------------------------------------------------------------------------------------
+
+    def interrupted(self, exc: BaseException) -> None:
+        """An exception passed through the recorder's code: if it was an interruption, the records are not whole."""
+        if not isinstance(exc, Exception):
+            self.broken = True
+
+    def foreign_mine(self) -> bool:
+        """Whether the calling thread, not the owner, is a device thread running a backward pass of this step."""
+        return is_foreign_thread() and owns_backward(self)
 
     def _parent(self) -> str | None:
         if self.module_stack:
@@ -299,9 +385,12 @@ class Recorder:
     def api_call(
         self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if self.closed:  # a thread's slot still naming a recorder that was stopped elsewhere
+            return orig(*args, **kwargs)
         tls = _tls
-        tls.depth += 1
+        prev = tls.active
         try:
+            tls.active = None  # calls nested in this one are not recorded
             counts = self.counter.counts
             index = counts.get(api, 0)
             counts[api] = index + 1
@@ -325,9 +414,9 @@ class Recorder:
             if want_fwd:
                 entry = {}
                 if select.fwd_in:
-                    if grad:
-                        _set_grad_enabled(False)
                     try:
+                        if grad:
+                            _set_grad_enabled(False)
                         prefix = f"{fwd}.input" if self.names else None
                         entry["input_args"], entry["input_kwargs"] = self._analyze_args(args, kwargs, prefix)
                     finally:
@@ -338,9 +427,9 @@ class Recorder:
             out = orig(*args, **kwargs)
             if entry is not None:
                 if select.fwd_out:
-                    if grad:
-                        _set_grad_enabled(False)
                     try:
+                        if grad:
+                            _set_grad_enabled(False)
                         entry["output"] = self._analyze_out(out, f"{fwd}.output" if self.names else None)
                     finally:
                         if grad:
@@ -354,8 +443,12 @@ class Recorder:
             if self.filtered:
                 select.leave(fwd)
             return out
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self.broken = True
+            raise
         finally:
-            tls.depth -= 1
+            tls.active = prev
 
     def _hook_api_backward(self, bwd: str, parent: str | None, out: Any, before: list[Any]) -> None:
         if isinstance(out, _Tensor):  # the common case: one output tensor
@@ -384,11 +477,12 @@ class Recorder:
             self._api_pending.append(record)
 
     def emit_api_backward(self, record: _ApiBackward) -> None:
-        if self.closed or record.name in self.data:
+        if record.name in self.data:
             return
         tls = _tls
-        tls.depth += 1
+        prev = tls.active
         try:
+            tls.active = None
             grads_in: list[Any] = []
             grads_out: list[Any] = []
             for part in record.parts:
@@ -399,7 +493,7 @@ class Recorder:
             record.parts = [None] * len(record.parts)
             self._write_backward(record.name, record.parent, grads_in, grads_out)
         finally:
-            tls.depth -= 1
+            tls.active = prev
 
     def _write_backward(
         self, name: str, parent: str | None, grads_in: list[Any], grads_out: list[Any]
@@ -424,6 +518,9 @@ class Recorder:
 
     def attach_model(self, model: torch.nn.Module) -> None:
         """Hook every submodule of ``model`` (the model itself is not recorded, as in msprobe)."""
+        # noted before the first hook: cut while hooking, detach() sweeps the model for hooks whose handle is lost
+        self._model = model
+        self._hooks_kept = False
         for path, module in model.named_modules():
             if not path:
                 continue
@@ -434,17 +531,20 @@ class Recorder:
             self._handles.append(module.register_forward_hook(self._module_post, with_kwargs=True))
             if self.select.backward:
                 for pname, param in params:
-                    self._handles.append(
-                        param.register_post_accumulate_grad_hook(self._params_hook(base, pname))
-                    )
+                    hook = _ParamsHook(self, params_grad_name(base), pname)
+                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        self._hooks_kept = True
 
     def _module_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         info = self._module_info.get(id(module))
         if info is None or self.closed:
             return
+        if _get_ident() != self.owner and not self.foreign_mine():
+            return  # another thread runs the model
         tls = _tls
-        tls.depth += 1
+        prev = tls.active
         try:
+            tls.active = None
             base = info[0]
             index = self.counter.next(base)
             call = _ModuleCall()
@@ -478,8 +578,11 @@ class Recorder:
                         else:
                             call.input_keys.append((node, arg.output_nr, position))
             self.module_stack.append(call)
+        except BaseException as exc:
+            self.interrupted(exc)
+            raise
         finally:
-            tls.depth -= 1
+            tls.active = prev
 
     def _module_post(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -487,9 +590,12 @@ class Recorder:
         info = self._module_info.get(id(module))
         if info is None or self.closed or not self.module_stack:
             return
+        if _get_ident() != self.owner and not self.foreign_mine():
+            return
         tls = _tls
-        tls.depth += 1
+        prev = tls.active
         try:
+            tls.active = None
             call = self.module_stack.pop()
             base, params = info
             fwd = call.fwd
@@ -513,8 +619,11 @@ class Recorder:
             if call.wanted_bwd:
                 self._hook_module_backward(call, output, len(args))
             self.select.leave(fwd)
+        except BaseException as exc:
+            self.interrupted(exc)
+            raise
         finally:
-            tls.depth -= 1
+            tls.active = prev
 
     def _hook_module_backward(self, call: _ModuleCall, output: Any, n_args: int) -> None:
         n_outputs = len(output) if isinstance(output, (tuple, list)) else 1
@@ -546,14 +655,15 @@ class Recorder:
         self._module_pending.append(record)
 
     def emit_module_backward(self, record: _ModuleBackward) -> None:
-        if self.closed or record.done:
+        if record.done:
             return
         record.done = True
         tls = _tls
-        tls.depth += 1
+        prev_active = tls.active
         prev = _is_grad_enabled()
-        _set_grad_enabled(False)
         try:
+            tls.active = None
+            _set_grad_enabled(False)
             grads_out: list[Any] = []
             for contributions in record.grads_out:
                 if not contributions:
@@ -569,44 +679,49 @@ class Recorder:
             self._write_backward(record.name, record.parent, grads_in, grads_out)
         finally:
             _set_grad_enabled(prev)
-            tls.depth -= 1
+            tls.active = prev_active
 
-    def _params_hook(self, base: str, pname: str) -> Callable[[torch.Tensor], None]:
-        pg = params_grad_name(base)
-
-        def on_accumulated(param: torch.Tensor) -> None:
-            if self.closed or param.grad is None or not self._params_grad_ok.get(pg):
-                return
-            self._grads_due[(pg, pname)] = param
-            if self._grads_queued:
-                return
-            try:
-                _queue_callback(self._at_backward_end)
-            except RuntimeError:  # not inside a backward pass of the engine: record it now
-                self._record_grads()
-            else:
-                self._grads_queued = True
-
-        return on_accumulated
+    def grad_accumulated(self, pg: str, pname: str, param: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated: record it when the backward pass ends."""
+        self._grads_due[(pg, pname)] = param
+        if self._grads_queued:
+            return
+        try:
+            _queue_callback(self._at_backward_end)
+        except RuntimeError:  # not inside a backward pass of the engine: record it now
+            self._record_grads()
+        else:
+            self._grads_queued = True
 
     def _at_backward_end(self) -> None:
         # the final callbacks run in the order they were queued: this one was queued at the first accumulated
         # gradient, before those queued later in the pass (DDP's reducer queues its finalisation when its last
         # bucket is ready); queued again now, it runs after all of them
         try:
-            _queue_callback(self._record_grads)
+            _queue_callback(self._grads_at_end)
         except RuntimeError:  # pragma: no cover - the engine accepts callbacks while running them
+            self._grads_at_end()
+
+    def _grads_at_end(self) -> None:
+        if self.closed:  # stopped meanwhile: finish() recorded them
+            self._grads_queued = False
+            return
+        try:
             self._record_grads()
+        except BaseException as exc:
+            self.interrupted(exc)
+            raise
 
     def _record_grads(self) -> None:
         """Record the gradients of the parameters accumulated by the backward pass (``parameters_grad``)."""
         self._grads_queued = False
         due, self._grads_due = self._grads_due, {}
-        if self.closed or not due:
+        if not due:
             return
         tls = _tls
-        tls.depth += 1
+        prev = tls.active
         try:
+            tls.active = None
             for (pg, pname), param in due.items():
                 grad = param.grad
                 if grad is None:
@@ -618,7 +733,7 @@ class Recorder:
                 name = f"{pg}.{pname}" if self.names else None
                 entry[pname] = [self.analyze(grad, name, False)]
         finally:
-            tls.depth -= 1
+            tls.active = prev
 
     # -- torch.distributed --------------------------------------------------------------------------------------
 
@@ -626,9 +741,12 @@ class Recorder:
         self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Record a collective or point-to-point call (see :mod:`.collectives`)."""
+        if self.closed:
+            return orig(*args, **kwargs)
         tls = _tls
-        tls.depth += 1
+        prev = tls.active
         try:
+            tls.active = None
             fwd = f"{api}.{self.counter.next(api)}.{FORWARD}"
             select = self.select
             wanted = select.forward
@@ -644,9 +762,9 @@ class Recorder:
             entry: dict[str, Any] = {}
             if select.fwd_in:
                 grad = _is_grad_enabled()
-                if grad:
-                    _set_grad_enabled(False)
                 try:
+                    if grad:
+                        _set_grad_enabled(False)
                     prefix = f"{fwd}.input" if self.names else None
                     entry["input_args"], entry["input_kwargs"] = self._analyze_args(args, kwargs, prefix)
                 finally:
@@ -670,8 +788,11 @@ class Recorder:
             if self.filtered:
                 select.leave(fwd)
             return out
+        except BaseException as exc:
+            self.interrupted(exc)
+            raise
         finally:
-            tls.depth -= 1
+            tls.active = prev
 
     def work_waited(self, work: Any) -> None:
         """A work object was waited for: complete the record of its collective once all of its works are done."""
@@ -685,23 +806,27 @@ class Recorder:
         if entry is None:
             return
         tls = _tls
-        tls.depth += 1
+        prev_active = tls.active
         prev = _is_grad_enabled()
-        _set_grad_enabled(False)
         try:
+            tls.active = None
+            _set_grad_enabled(False)
             self.engine.forget(collective_tensors(pending.args, pending.kwargs))
             entry["output"] = self._collective_output(pending.name, pending.args, pending.kwargs)
+        except BaseException as exc:
+            self.interrupted(exc)
+            raise
         finally:
             _set_grad_enabled(prev)
-            tls.depth -= 1
+            tls.active = prev_active
 
     def _collective_output(self, fwd: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """msprobe's ``output`` of a collective: its arguments after the call, positional then keyword values."""
         values = [*args, *kwargs.values()]
         grad = _is_grad_enabled()
-        if grad:
-            _set_grad_enabled(False)
         try:
+            if grad:
+                _set_grad_enabled(False)
             if not self.names:
                 return [self.analyze(v, None, False) for v in values]
             return [self.analyze(v, f"{fwd}.output.{i}", False) for i, v in enumerate(values)]
@@ -715,27 +840,82 @@ class Recorder:
         """APIs run inside ``optimizer.step()`` get the parent node "optimizer" in construct.json (mix)."""
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if not self.closed:
-                self.in_optimizer = True
-                self.construct.setdefault(OPTIMIZER_NODE, None)
+        # noted before registering: a cut in between leaves a hook for detach() to sweep
+        self._optimizer_hooked = True
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
 
-        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.closed and _get_ident() == self.owner:  # optimizer hooks are global: other threads' too
+            self.construct.setdefault(OPTIMIZER_NODE, None)
+            self.in_optimizer = True
+
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if _get_ident() == self.owner:
             self.in_optimizer = False
-
-        self._handles.append(register_optimizer_step_pre_hook(pre))
-        self._handles.append(register_optimizer_step_post_hook(post))
 
     # -- end of capture -----------------------------------------------------------------------------------------
 
-    def detach(self) -> None:
-        """Remove every hook this recorder registered (module, node, parameter and optimizer hooks)."""
-        for handle in self._handles:
+    def detach(self, sweep: bool = False) -> None:
+        """Remove every hook this recorder registered (module, node, parameter and optimizer hooks); idempotent.
+
+        ``sweep`` (or a hooking that was cut short) also looks through the model's modules and parameters and the
+        optimizer's global hooks for hooks of this recorder whose handle was never kept. A node hook whose handle
+        was lost that way stays on its node, and does nothing once the recorder is closed.
+        """
+        for handle in self._handles:  # remove() is idempotent: cut here, the next detach() goes on
             handle.remove()
         self._handles.clear()
+        if sweep or not self._hooks_kept:
+            self._sweep()
+        release_backward(self)
+
+    def _sweep(self) -> None:
+        model = self._model
+        if model is not None:
+            for module in model.modules():
+                d = module.__dict__
+                for attr, extras in (
+                    ("_forward_pre_hooks", ("_forward_pre_hooks_with_kwargs",)),
+                    ("_forward_hooks", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
+                ):
+                    hooks = d.get(attr)
+                    if not hooks:
+                        continue
+                    for key in [k for k, fn in hooks.items() if getattr(fn, "__self__", None) is self]:
+                        hooks.pop(key, None)
+                        for extra in extras:
+                            more = d.get(extra)
+                            if more:
+                                more.pop(key, None)
+                for param in module.parameters(recurse=False):
+                    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+                    if hooks:
+                        for key in [
+                            k
+                            for k, fn in hooks.items()
+                            if isinstance(fn, _ParamsHook) and fn.recorder is self
+                        ]:
+                            hooks.pop(key, None)
+            self._hooks_kept = True
+        if self._optimizer_hooked:
+            from torch.optim import optimizer as optim_module
+
+            for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+                hooks = getattr(optim_module, name, None)
+                if hooks:
+                    for key in [k for k, fn in hooks.items() if getattr(fn, "__self__", None) is self]:
+                        hooks.pop(key, None)
 
     def finish(self) -> None:
         """Write out the backward records still incomplete and drop empty reservations."""
+        try:
+            self._finish()
+        except BaseException as exc:
+            self.interrupted(exc)
+            raise
+
+    def _finish(self) -> None:
         self._record_grads()  # a backward pass that did not reach its end (it raised) still accumulated them
         self.dist_pending.clear()  # never waited for: those records keep their inputs only
         for api_record in self._api_pending:

@@ -7,24 +7,37 @@
         debugger.stop()               # step{N}/rank/{dump,stack,construct}.json are written in the background
         debugger.step()
 
-Several debuggers can be used one after another in one process; only one can be started at a time. stop()
-removes every wrapper and hook it installed; it also works as a context manager (``with PrecisionDebugger(...)
-as debugger:``), which closes it on exit.
+A debugger records the calls of the thread that started it, and only those: other threads' torch calls, forward
+passes and optimizer steps go on unrecorded. Several debuggers can be used one after another in one process, or
+at the same time on different threads (one started debugger per thread). stop() removes every wrapper and hook it
+installed (the API wrappers go when the last started debugger stops); it also works as a context manager (``with
+PrecisionDebugger(...) as debugger:``), which closes it on exit.
 
 ``max_dump_size`` (bytes, or a text such as ``"500MB"`` / ``"2GiB"``) bounds the tensor files of task ``tensor``:
 the first tensor that would take the dump past it is not saved, nor any after it (the step's JSON files are still
 written, without a ``data_name`` for them), and the stop() of that step raises :class:`DumpSizeError` naming the
 row where it happened.
 
-stop() saves the tensor files of task ``tensor`` (complete when it returns), then hands the step's records to a
-background thread that resolves the statistics and writes the JSON files while training goes on. The files are complete
-after :meth:`PrecisionDebugger.wait` or :meth:`PrecisionDebugger.close` (and at interpreter exit); each is
-written through a temporary file and a rename, so a reader never sees a partial file.
+stop() saves the tensor files of task ``tensor`` into a hidden staging folder, then hands the step to a background
+thread that resolves the statistics, publishes the tensor folder (one rename) and writes the JSON files while
+training goes on. The files are complete after :meth:`PrecisionDebugger.wait` or :meth:`PrecisionDebugger.close`
+(and at interpreter exit); each is written through a temporary file and a rename, so a reader never sees a
+partial file.
+
+**Interruptions.** Ctrl-C, a test timeout or ``SystemExit`` may land anywhere in a dumped step. :meth:`abort`
+drops the step being captured (records and unpublished tensor files), removes every wrapper and hook and joins
+the dump's threads; it never raises because of the interruption, in any state, and the plugin calls it when a
+step's body raised. Without it, ``stop()`` / ``step()`` / ``close()`` after an interruption clean up the same way:
+a step whose records an interruption cut through is dropped, any other is written whole. The few changes of state
+that must go together run with signals deferred (:mod:`.signals`), and every other cut leaves a state that the
+next call completes.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -35,6 +48,8 @@ from pytest_msprobe.dump import intercept
 from pytest_msprobe.dump.capture import Recorder
 from pytest_msprobe.dump.config import DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
+from pytest_msprobe.dump.signals import deferred_signals
+from pytest_msprobe.dump.signals import heal as heal_signal_handlers
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.writer import (
     TENSOR_DIR,
@@ -47,8 +62,8 @@ from pytest_msprobe.dump.writer import (
 )
 from pytest_msprobe.errors import ConfigError, DumpError, DumpSizeError, PathLike
 
-# the debugger currently started in this process (at most one: the API wrappers are process-wide)
-_STARTED: PrecisionDebugger | None = None
+# the debugger started on each thread (by thread ident): at most one per thread
+_STARTED: dict[int, PrecisionDebugger] = {}
 
 
 class PrecisionDebugger:
@@ -104,12 +119,12 @@ class PrecisionDebugger:
         self._size_reported = False
         self._started = False
         self._closed = False
+        self._owner: int | None = None  # the thread that started the capture
 
     # -- the msprobe calls ---------------------------------------------------------------------------------------
 
     def start(self, model: torch.nn.Module | None = None) -> None:
         """Begin (or resume) capturing the current step; a no-op for steps and ranks not selected."""
-        global _STARTED
         if self._closed:
             raise DumpError("this PrecisionDebugger is closed: create a new one")
         if self._started:
@@ -123,63 +138,93 @@ class PrecisionDebugger:
             return
         if config.modules and self.model is None:
             raise ConfigError(f"level={config.level!r} needs the model: call start(model=model)")
-        if _STARTED is not None and _STARTED is not self:
-            raise DumpError("another PrecisionDebugger is started in this process: stop it first")
-        if self._recorder is None:
+        ident = threading.get_ident()
+        other = _STARTED.get(ident)
+        if other is not None and other is not self:
+            raise DumpError("another PrecisionDebugger is started in this thread: stop it first")
+        if self._recorder is None or self._recorder.broken:
             self._files.check()
-            self._new_step_recorder()
         else:
             self._files.wait()  # resuming the step: its records are being written, let that finish
-        recorder = self._recorder
-        assert recorder is not None
-        recorder.closed = False
-        if config.modules and self.model is not None:
-            recorder.attach_model(self.model)
-        if config.level == "mix":
-            recorder.attach_optimizer_hooks()
-        if config.apis:
-            self._patcher.install()
-        _STARTED = self
-        self._started = True
-        intercept.set_recorder(recorder)
+        with deferred_signals():
+            if self._recorder is not None and self._recorder.broken:
+                self._drop_step()  # what an interruption left of this step: it starts afresh
+            if self._recorder is None:
+                self._new_step_recorder()
+            elif config.save_tensors and self._writer is None:
+                self._resume_writer()
+            recorder = self._recorder
+            assert recorder is not None
+            # first: from here on, stop() and abort() undo whatever of the rest was done
+            self._started = True
+            self._owner = ident
+            _STARTED[ident] = self
+            recorder.owner = ident
+            recorder.closed = False
+            if config.modules and self.model is not None:
+                recorder.attach_model(self.model)
+            if config.level == "mix":
+                recorder.attach_optimizer_hooks()
+            if config.apis:
+                self._patcher.install()
+                intercept.activate(recorder)
 
     def stop(self) -> None:
         """Stop capturing, remove every wrapper and hook, and write the step's files (rewritten if resumed)."""
-        global _STARTED
         if not self._started:
             return
-        self._started = False
         recorder = self._recorder
+        with deferred_signals():
+            self._detach()
+        if recorder is None:
+            return
         try:
-            intercept.set_recorder(None)
-            self._patcher.uninstall()
-            if recorder is not None:
-                recorder.detach()
+            if not recorder.broken:
                 recorder.finish()
-                recorder.closed = True
-        finally:
-            if _STARTED is self:
-                _STARTED = None
-        if recorder is not None:
+            if recorder.broken:  # an interruption cut through the capture: the step is not written
+                self._drop_step()
+                return
             self._write(recorder)
+        except BaseException as exc:
+            recorder.interrupted(exc)  # the step's files are not handed over: step()/close() drop it
+            raise
         self._check_size()
 
     def step(self) -> None:
         """Advance to the next training step (stopping first if needed)."""
         self.stop()
-        self._end_step()
-        self.current_step += 1
+        with deferred_signals():
+            self._end_step()
+            self.current_step += 1
+
+    def abort(self) -> None:
+        """Give up the step being captured, after its body raised (Ctrl-C, a test timeout, any exception).
+
+        Stops capturing, removes every wrapper and hook, drops the step's records and its tensor files not yet
+        published, and waits for the dump's threads (the files of the steps already stopped are finished whole).
+        Safe in any state and idempotent; it never raises because of the interruption (an error of an earlier
+        step's writing is kept for :meth:`wait` / :meth:`close`). The step counter does not move, and the debugger
+        stays usable: call :meth:`step` to go on, :meth:`close` to finish.
+        """
+        with deferred_signals():
+            self._detach()
+            self._drop_step()
+        self._files.join()
+        heal_signal_handlers()
 
     def close(self) -> None:
         """Stop, finish writing, and release everything; the debugger cannot be started again."""
         try:
             self.stop()
         finally:
-            try:  # also after stop() raised (the size limit): the files so far are finished, nothing left open
-                self._end_step()
+            try:  # also after stop() raised (the size limit, an interruption): nothing is left open
+                with deferred_signals():
+                    self._detach()
+                    self._end_step()
                 self._files.wait()
             finally:
                 self._closed = True
+                heal_signal_handlers()
 
     def wait(self) -> None:
         """Block until every file of the steps stopped so far is written; raises DumpError if one failed."""
@@ -198,7 +243,18 @@ class PrecisionDebugger:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        # the body raised: its step is dropped, and nothing here may hide the exception on its way out
+        self.abort()
+        try:
+            self.close()
+        except Exception as error:
+            warnings.warn(
+                f"closing the dump after {exc_type.__name__ if exc_type else 'an error'}: {error}",
+                stacklevel=2,
+            )
 
     # -- where things go -----------------------------------------------------------------------------------------
 
@@ -212,6 +268,35 @@ class PrecisionDebugger:
 
     # -- internals -----------------------------------------------------------------------------------------------
 
+    def _detach(self) -> None:
+        """Stop capturing: the recorder closed, this thread's slot emptied, wrappers let go, hooks removed.
+
+        Idempotent, and ordered so that a cut anywhere leaves nothing that records: the recorder is closed first
+        (every wrapper and hook that still reaches it returns at once), and the flag that makes stop() do this
+        again is cleared last.
+        """
+        recorder = self._recorder
+        if recorder is not None:
+            recorder.closed = True
+            if self._owner == threading.get_ident():
+                intercept.deactivate(recorder)
+        self._patcher.uninstall()
+        if recorder is not None:
+            recorder.detach(sweep=recorder.broken)
+        owner = self._owner
+        if owner is not None and _STARTED.get(owner) is self:
+            del _STARTED[owner]
+        self._started = False
+
+    def _drop_step(self) -> None:
+        """Forget the step's records and delete its staged tensor files (the ones not handed to the writer)."""
+        writer = self._writer
+        if writer is not None:
+            writer.discard()
+        self._writer = None
+        self._recorder = None
+        self._engine = None
+
     def _check_size(self) -> None:
         """Raise, once, that the dump reached its size limit (its files written so far are complete)."""
         budget = self._budget
@@ -224,13 +309,25 @@ class PrecisionDebugger:
     def _new_step_recorder(self) -> None:
         config = self.config
         sink = None
+        writer = None
         if config.save_tensors:
-            self._writer = TensorWriter(
-                self.step_path() / TENSOR_DIR, quiet=intercept.quiet, budget=self._budget
-            )
-            sink = self._writer.submit
-        self._engine = StatEngine(md5=config.md5, tensor_sink=sink, worker_init=intercept.silence_this_thread)
-        self._recorder = Recorder(config, self._engine)
+            writer = self._tensor_writer()
+            sink = writer.submit
+        engine = StatEngine(md5=config.md5, tensor_sink=sink, worker_init=intercept.silence_this_thread)
+        recorder = Recorder(config, engine)
+        self._writer, self._engine, self._recorder = writer, engine, recorder
+
+    def _tensor_writer(self) -> TensorWriter:
+        return TensorWriter(self.step_path() / TENSOR_DIR, quiet=intercept.quiet, budget=self._budget)
+
+    def _resume_writer(self) -> None:
+        """A new writer for a step captured again after its stop() (the first one's files were handed over)."""
+        writer = self._tensor_writer()
+        engine = self._engine
+        # a sink of None: the dump is full, nothing more to save
+        if engine is not None and engine.tensor_sink is not None:
+            engine.tensor_sink = writer.submit
+        self._writer = writer
 
     def _write(self, recorder: Recorder) -> None:
         config = self.config
@@ -243,25 +340,28 @@ class PrecisionDebugger:
             "framework": "pytorch",
             "dump_data_dir": os.fspath(folder / TENSOR_DIR) if config.save_tensors else None,
         }
-        if self._writer is not None:
-            self._writer.join()
+        writer = self._writer
+        if writer is not None:
+            writer.save()  # the snapshots, into the staging folder (long: it may be interrupted, then dropped)
         _sync_devices()  # the copies and statistics launched on the training thread's streams are done
 
         def write_files() -> None:
             engine.flush()
+            if writer is not None:
+                writer.publish()  # the tensor folder appears before the dump.json that names its files
             construct = recorder.construct if config.modules else {}
             write_step_files(folder, header, recorder.data, recorder.stacks.render(), construct)
 
-        self._files.submit(write_files)
+        self._files.wait()  # one step at a time; an earlier step's failure is reported before this one goes
+        with deferred_signals():
+            # together: once the thread has the step, its staged files are the thread's to publish (a resumed
+            # capture of the step stages its new files with a new writer)
+            self._files.submit(write_files)
+            self._writer = None
 
     def _end_step(self) -> None:
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            finally:
-                self._writer = None
-        self._recorder = None
-        self._engine = None
+        """Let go of the step: what was not handed to the writer thread (an interrupted step) is dropped."""
+        self._drop_step()
 
 
 def _sync_devices() -> None:

@@ -1,11 +1,30 @@
-"""API interception for level L1: thin wrappers installed on start and the exact originals put back on stop.
+"""API interception for level L1: thin wrappers installed while a debugger is started, the exact originals put
+back when the last one stops.
 
 The functions of ``torch.nn.functional``, ``torch``, ``torch.Tensor`` (methods and operators, dunder and in-place
 included), ``torch._VF``, ``torch_npu`` (when imported) and ``torch.distributed`` named in :mod:`.api_lists` are
 replaced by wrappers; restoring puts the originals back (a ``Tensor`` dunder inherited from ``torch._C.TensorBase``
-is deleted again rather than re-set). A wrapper costs one global read when no step is being recorded, and a
-thread-local depth counter keeps calls made inside a captured call (or inside the dump's own code and threads) from
-being recorded.
+is deleted again rather than re-set).
+
+**Whose calls are recorded.** Every thread has its own slot, ``_tls.active``: the recorder its calls go to, or
+None. A wrapper reads that slot and nothing else, so a call costs one thread-local read when it is not recorded.
+A debugger sets the slot of the thread that started it; the recorder empties it while it works on a call (calls
+nested in a captured call, and the dump's own torch calls, are not recorded) and puts it back after. Every other
+thread's calls go straight through, unrecorded and uncounted: a data loader, a metrics thread or a second
+debugger's training loop on another thread never shows in this dump.
+
+One exception: threads that Python did not create. The autograd engine runs the backward of CUDA (and other
+device) tensors on its own device threads; Python code called there for the owner's backward (a custom
+``autograd.Function``'s backward, activation checkpointing's recomputation, a user's tensor hook) belongs to the
+owner's step. Such a thread's slot holds :data:`FOREIGN`, which records a call for a recorder only while the
+thread runs an autograd node (``torch._C._current_autograd_node()``) of a backward pass that recorder owns:
+one in which a hook the recorder registered has already run (see :func:`claim_backward`). Not seen, then: calls
+made on a device thread before the first of the recorder's hooks ran in that pass, and calls a device thread
+makes outside autograd nodes. On CPU the engine runs a thread's backward on that thread, so none of this applies.
+
+Wrappers are installed while at least one debugger holds them (:meth:`ApiPatcher.install`) and removed when the
+last lets go; both happen under a lock, with signals deferred (:mod:`.signals`), and removal restores every
+wrapper ever installed whatever was recorded about it, so no cut in between leaves one behind.
 
 The collectives of ``torch.distributed`` go to :meth:`Recorder.dist_call`; while they are wrapped,
 ``torch.distributed.Work.wait`` is wrapped too, so that an asynchronous collective (``async_op=True``, ``isend``,
@@ -27,43 +46,137 @@ import torch
 
 from pytest_msprobe.dump import api_lists
 from pytest_msprobe.dump.naming import PREFIXES
+from pytest_msprobe.dump.signals import deferred_signals
 
 if TYPE_CHECKING:  # pragma: no cover
     from pytest_msprobe.dump.capture import Recorder
 
 _set_grad_enabled = torch._C._set_grad_enabled
+_current_autograd_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_get_ident = threading.get_ident
+
+# the backward passes (autograd graph task ids) in which a recorder's own hooks ran, for FOREIGN threads
+_BACKWARD_OWNERS: dict[int, Recorder] = {}
 
 
-class _Depth(threading.local):
-    """Per-thread nesting depth: > 0 inside a captured call or inside the dump's own code."""
-
-    depth = 0
-
-
-_tls = _Depth()
-# the Recorder of the step being captured, read by every wrapper (None: wrappers call straight through)
-_RECORDER: Recorder | None = None
+def _created_by_python() -> bool:
+    """Whether the calling thread was started by Python (threading), rather than by C++ (autograd, a library)."""
+    active = getattr(threading, "_active", None)
+    # current_thread() would register a dummy for a foreign thread: look it up instead (CPython has _active)
+    thread = threading.current_thread() if active is None else active.get(_get_ident())
+    dummy = getattr(threading, "_DummyThread", ())
+    return thread is not None and not isinstance(thread, dummy)
 
 
-def set_recorder(recorder: Recorder | None) -> None:
-    """Make ``recorder`` the one every wrapper reports to (None: wrappers call straight through)."""
-    global _RECORDER
-    _RECORDER = recorder
+class _ForeignThread:
+    """The slot of a thread Python did not create: records for the recorder owning the backward pass it runs."""
+
+    # never holds collectives waiting for their work (read by the wrapper of Work.wait)
+    dist_pending: dict[int, Any] = {}  # noqa: RUF012 - an always empty, shared constant
+
+    @staticmethod
+    def owner() -> Recorder | None:
+        """The recorder whose backward pass this thread is running a node of, if any."""
+        if not _BACKWARD_OWNERS or _current_autograd_node() is None:
+            return None
+        return _BACKWARD_OWNERS.get(_current_graph_task_id())
+
+    def api_call(
+        self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        recorder = self.owner()
+        if recorder is None:
+            return orig(*args, **kwargs)
+        return recorder.api_call(api, orig, args, kwargs)
+
+    def dist_call(
+        self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        recorder = self.owner()
+        if recorder is None:
+            return orig(*args, **kwargs)
+        return recorder.dist_call(api, orig, args, kwargs)
+
+    def work_waited(self, work: Any) -> None:  # pragma: no cover - dist_pending is always empty
+        pass
+
+
+FOREIGN = _ForeignThread()
+
+
+class _ThreadState(threading.local):
+    """Per thread: where its API calls go (``active``), set up on the thread's first use."""
+
+    active: Any = None  # a Recorder, FOREIGN, or None (straight through)
+    foreign = False
+
+    def __init__(self) -> None:
+        if not _created_by_python():
+            self.active = FOREIGN
+            self.foreign = True
+
+
+_tls = _ThreadState()
+
+
+def activate(recorder: Recorder) -> None:
+    """Record the calling thread's API calls into ``recorder``."""
+    _tls.active = recorder
+
+
+def deactivate(recorder: Recorder | None = None) -> None:
+    """Stop recording the calling thread's calls (into ``recorder`` only, when given)."""
+    tls = _tls
+    if recorder is None or tls.active is recorder:
+        tls.active = FOREIGN if tls.foreign else None
+
+
+def is_foreign_thread() -> bool:
+    """Whether the calling thread was not started by Python (an autograd device thread, say)."""
+    return bool(_tls.foreign)
+
+
+def claim_backward(recorder: Recorder) -> int | None:
+    """Note that the backward pass the calling thread runs belongs to ``recorder`` (called from its hooks).
+
+    Returns the pass's id (None outside a backward pass); :meth:`release_backward` forgets it.
+    """
+    task = _current_graph_task_id()
+    if task < 0:
+        return None
+    if _BACKWARD_OWNERS.get(task) is not recorder:
+        _BACKWARD_OWNERS[task] = recorder
+    return task
+
+
+def owns_backward(recorder: Recorder) -> bool:
+    """Whether the calling thread runs a node of a backward pass ``recorder`` claimed."""
+    return bool(_BACKWARD_OWNERS) and _BACKWARD_OWNERS.get(_current_graph_task_id()) is recorder
+
+
+def release_backward(recorder: Recorder) -> None:
+    """Forget every backward pass claimed by ``recorder``."""
+    for task in [t for t, r in list(_BACKWARD_OWNERS.items()) if r is recorder]:
+        _BACKWARD_OWNERS.pop(task, None)
 
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """A context in which the calling thread's torch calls are not recorded."""
-    _tls.depth += 1
+    tls = _tls
+    prev = tls.active
     try:
+        tls.active = None
         yield
     finally:
-        _tls.depth -= 1
+        tls.active = prev
 
 
 def silence_this_thread() -> None:
     """Set up one of the dump's own threads: its API calls are never recorded, and build no autograd graph."""
-    _tls.depth = 1
+    _tls.active = None
+    _tls.foreign = False
     _set_grad_enabled(False)
 
 
@@ -80,14 +193,14 @@ def _dressed_as(
     return wrapper
 
 
-def _make_wrapper(orig: Callable[..., Any], api: str, record: str = "api_call") -> Callable[..., Any]:
-    """The wrapper of one API: straight through unless a step is being recorded, else to ``Recorder.<record>``."""
+def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
+    """The wrapper of one API: straight through unless the calling thread records, else to ``Recorder.api_call``."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        recorder = _RECORDER
-        if recorder is None or _tls.depth:
+        recorder = _tls.active
+        if recorder is None:
             return orig(*args, **kwargs)
-        return getattr(recorder, record)(api, orig, args, kwargs)
+        return recorder.api_call(api, orig, args, kwargs)
 
     return _dressed_as(wrapper, orig)
 
@@ -96,7 +209,14 @@ def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]
     """A wrapper of a torch.distributed collective (recorded with its tensors after the call, see capture)."""
     if api in _P2P_APIS:
         return _P2PWrapper(orig, api)
-    return _make_wrapper(orig, api, "dist_call")
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        recorder = _tls.active
+        if recorder is None:
+            return orig(*args, **kwargs)
+        return recorder.dist_call(api, orig, args, kwargs)
+
+    return _dressed_as(wrapper, orig)
 
 
 _P2P_APIS = frozenset({"Distributed.isend", "Distributed.irecv"})
@@ -126,8 +246,8 @@ class _P2PWrapper:
         if self._send and "group_src" in kwargs and "group_dst" not in kwargs:
             kwargs["group_dst"] = kwargs.pop("group_src")
         orig = self.__wrapped__
-        recorder = _RECORDER
-        if recorder is None or _tls.depth:
+        recorder = _tls.active
+        if recorder is None:
             return orig(*args, **kwargs)
         return recorder.dist_call(self._api, orig, args, kwargs)
 
@@ -144,14 +264,14 @@ class _P2PWrapper:
 def _make_wait_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
     """``Work.wait``: once the work is done, the recorder completes the record of the collective that made it.
 
-    The collectives waited for inside torch.distributed itself (the synchronous ones) run at depth > 0 and are
-    not looked up.
+    The collectives waited for inside torch.distributed itself (the synchronous ones) run inside a captured call,
+    where the thread's slot is empty, and are not looked up.
     """
 
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = orig(self, *args, **kwargs)
-        recorder = _RECORDER
-        if recorder is not None and recorder.dist_pending and not _tls.depth:
+        recorder = _tls.active
+        if recorder is not None and recorder.dist_pending:
             recorder.work_waited(self)
         return result
 
@@ -184,14 +304,20 @@ class _Batch:
         self.wrappers: dict[str, Any] = {}
 
     def _refresh(self, current: dict[str, Any]) -> None:
-        """Rebuild the wrappers of the functions replaced (or first seen) since the last install."""
+        """Rebuild the wrappers of the functions replaced (or first seen) since the last install.
+
+        The wrapper is stored before its original: cut in between, the next install sees the original differ and
+        rebuilds it, so a wrapper never stands for another function than the one it calls.
+        """
         originals, wrappers, apis = self.originals, self.wrappers, self.apis
         for name, value in current.items():
-            if originals.get(name) is not value:
-                originals[name] = value
+            # a wrapper of ours found in place (another holder installed it) stands for its original
+            if originals.get(name) is not value and wrappers.get(name) is not value:
                 wrappers[name] = self.factory(value, apis[name])
-        for name in [n for n in wrappers if n not in current]:
-            del wrappers[name], originals[name]
+                originals[name] = value
+        for name in [n for n in originals if n not in current]:
+            originals.pop(name, None)
+            wrappers.pop(name, None)
 
     def install(self) -> None:
         owner, names = self.owner, self.names
@@ -308,29 +434,57 @@ def _batches(key: str, space: Any, names: tuple[str, ...], factory: _Factory) ->
     return found
 
 
+# the holders of the wrappers (one per started debugger): installed while there is one
+_HOLDERS: set[object] = set()
+_LOCK = threading.RLock()
+
+
+def _all_batches() -> list[_Batch]:
+    return [batch for batches in _BATCHES.values() for batch in batches] + _WAIT_BATCH
+
+
+def wrappers_installed() -> bool:
+    """Whether any API wrapper is in place (a check for tests and for clean-up)."""
+    for batch in _all_batches():
+        owner = batch.owner
+        d = batch.module_dict
+        for name, wrapper in batch.wrappers.items():
+            current = d.get(name) if d is not None else getattr(owner, name, None)
+            if current is wrapper:
+                return True
+    return False
+
+
 class ApiPatcher:
-    """Installs the API wrappers and puts the originals back."""
+    """One debugger's hold on the API wrappers: they are installed while any debugger holds them."""
 
     def __init__(self) -> None:
-        self._installed: list[_Batch] = []
+        self._token = object()
 
     @property
     def installed(self) -> bool:
-        return bool(self._installed)
+        return self._token in _HOLDERS
 
     def install(self) -> None:
-        if self._installed:
-            return
-        for key, space, names, factory in _namespaces():
-            for batch in _batches(key, space, names, factory):
-                batch.install()
-                self._installed.append(batch)
-            if key == "distributed":
-                for batch in _wait_batch():
+        """Hold the wrappers (installing them if this is the first holder); idempotent."""
+        with _LOCK, deferred_signals():
+            # noted first: cut after it, uninstall() still removes whatever was installed
+            _HOLDERS.add(self._token)
+            # every holder installs: cheap when the wrappers are in place, and right after a cut uninstall
+            for key, space, names, factory in _namespaces():
+                for batch in _batches(key, space, names, factory):
                     batch.install()
-                    self._installed.append(batch)
+                if key == "distributed":
+                    for batch in _wait_batch():
+                        batch.install()
 
     def uninstall(self) -> None:
-        for batch in reversed(self._installed):
-            batch.restore()
-        self._installed.clear()
+        """Let go of the wrappers; the last holder puts every original back. Idempotent."""
+        with _LOCK, deferred_signals():
+            if self._token not in _HOLDERS:
+                return
+            if {self._token} == _HOLDERS:
+                # every batch ever built, not only those this holder installed: nothing is left behind
+                for batch in reversed(_all_batches()):
+                    batch.restore()
+            _HOLDERS.discard(self._token)  # last: cut before it, the next uninstall() restores again

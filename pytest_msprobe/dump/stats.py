@@ -463,9 +463,9 @@ class StatEngine:
         if numel == 0:
             return None
         grad_was = torch.is_grad_enabled()
-        if grad_was:
-            torch._C._set_grad_enabled(False)
-        try:
+        try:  # inside: a cut right after switching grad off still switches it back
+            if grad_was:
+                torch._C._set_grad_enabled(False)
             return self._launch(t, kind, numel, copy)
         except Exception:  # an operator this device/dtype lacks: no statistics, but training goes on
             return None

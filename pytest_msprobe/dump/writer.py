@@ -6,7 +6,8 @@ Layout, as msprobe writes it::
 
 ``rank`` when torch.distributed is not initialized, ``rank{R}`` when it is. Each JSON file is written to a
 temporary file in the same folder and renamed over the target; tensor files are saved into a hidden staging
-folder that is renamed to ``dump_tensor_data`` when the step stops. A crash never leaves a half-written file.
+folder that is renamed to ``dump_tensor_data`` when the step's files are written, right before its dump.json. A
+crash never leaves a half-written file.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable
 
+from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.errors import DumpError, PathLike
 
 DUMP_JSON = "dump.json"
@@ -166,6 +168,7 @@ class TensorWriter:
         self._max_pending = max_pending_bytes
         self._quiet = quiet or contextlib.nullcontext
         self._staged = False  # whether the staging folder exists and holds unpublished files
+        self._made: list[Path] = []  # folders created for the staging folder
         self._budget = budget
         self.files_written = 0
 
@@ -187,6 +190,8 @@ class TensorWriter:
         if not self._pending:
             return
         if not self._staged:
+            # the folders made here (the step's rank folder and the step folder, say) go again if it is discarded
+            self._made = [p for p in self.staging.parents if not p.exists()]
             try:
                 self.staging.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -199,7 +204,10 @@ class TensorWriter:
             if tensor.device.type != "cpu":
                 tensor = tensor.cpu()
             try:
-                torch.save(tensor, self.staging / name)
+                # torch.save calls back into Python from C and can lose the exception a signal handler raises
+                # there (a Ctrl-C would vanish): signals wait until the file is saved
+                with deferred_signals():
+                    torch.save(tensor, self.staging / name)
             except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
                 # the staged files are not published: drop them all, a failed dump must not keep filling the disk
                 self.discard()
@@ -207,13 +215,28 @@ class TensorWriter:
             self.files_written += 1
 
     def discard(self) -> None:
-        """Drop what is pending and staged (after a failure): nothing of it is published."""
+        """Drop what is pending and staged (after a failure or an interruption): nothing of it is published.
+
+        Idempotent: cut while deleting, the next call deletes the rest.
+        """
         self._pending, self._pending_bytes = [], 0
-        if self._staged:
+        if self._staged or self.staging.exists():
             shutil.rmtree(self.staging, ignore_errors=True)
             self._staged = False
+            for folder in self._made:  # innermost first, while nothing else is in them
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+            self._made = []
 
-    def _publish(self) -> None:
+    def save(self) -> None:
+        """Save every pending snapshot into the staging folder (not published yet)."""
+        with self._quiet():
+            self._save_pending()
+
+    def publish(self) -> None:
+        """Make the staged files appear in ``folder`` (one rename, or moves into an existing folder)."""
         if not self._staged:
             return
         try:
@@ -231,9 +254,8 @@ class TensorWriter:
 
     def join(self) -> None:
         """Save every pending snapshot and publish the files; raise DumpError if one could not be written."""
-        with self._quiet():
-            self._save_pending()
-        self._publish()
+        self.save()
+        self.publish()
 
     def close(self) -> None:
         """Save and publish what is pending."""
@@ -255,27 +277,33 @@ class BackgroundJobs:
     """Runs jobs one at a time on a background thread (a step's JSON files), surfacing errors later.
 
     The thread is not a daemon: the interpreter waits for the files before it exits. :meth:`wait` blocks until
-    the current job is done and raises :class:`DumpError` if a job failed; :meth:`check` raises without waiting.
+    the current job is done and raises :class:`DumpError` if a job failed; :meth:`check` raises without waiting,
+    :meth:`join` waits without raising.
     """
 
     def __init__(self, on_thread_start: Callable[[], None] | None = None) -> None:
         self._thread: threading.Thread | None = None
+        self._done: threading.Event | None = None  # set by the job's thread when the job is over
         self._error: BaseException | None = None
         self._on_thread_start = on_thread_start
 
     def submit(self, job: Any) -> None:
         self.wait()  # one at a time, in order: a later step's files never overtake an earlier one's
-        thread = threading.Thread(target=self._run, args=(job,), name="pytest-msprobe-writer")
-        self._thread = thread
+        done = threading.Event()
+        thread = threading.Thread(target=self._run, args=(job, done), name="pytest-msprobe-writer")
         thread.start()
+        # kept once started: a thread that never started is never waited for
+        self._thread, self._done = thread, done
 
-    def _run(self, job: Any) -> None:
+    def _run(self, job: Any, done: threading.Event) -> None:
         try:
             if self._on_thread_start is not None:
                 self._on_thread_start()
             job()
         except BaseException as exc:  # kept for wait(): a failed write must not go unnoticed
             self._error = exc
+        finally:
+            done.set()
 
     @property
     def busy(self) -> bool:
@@ -289,8 +317,22 @@ class BackgroundJobs:
                 raise error
             raise DumpError(f"writing the dump failed: {error}") from error
 
+    def join(self) -> None:
+        """Wait for the current job, keeping its error (if any) for :meth:`wait` / :meth:`check`.
+
+        Waits on the job's own event first: an interrupted ``Thread.join`` of CPython 3.11 marks a thread that is
+        still running as stopped, after which join() returns at once. Once the event is set, the thread has only
+        to return.
+        """
+        thread, done = self._thread, self._done
+        if thread is None:
+            return
+        if done is not None:
+            done.wait()
+        thread.join()
+        self._thread = self._done = None  # after the wait: cut during it, the next call waits again
+
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Wait for the current job; raise DumpError if a job failed."""
+        self.join()
         self.check()

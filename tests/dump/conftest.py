@@ -115,8 +115,9 @@ def no_leftover_debugger() -> Iterator[None]:
     yield
     from pytest_msprobe.dump import debugger, intercept
 
-    assert debugger._STARTED is None
-    assert intercept._RECORDER is None
+    assert debugger._STARTED == {}
+    assert intercept._tls.active is None
+    assert not intercept._HOLDERS and not intercept.wrappers_installed()
     assert "__add__" not in vars(torch.Tensor)
 
 

@@ -92,7 +92,7 @@ def test_two_debuggers_one_after_another(tmp_path: Path, train: Any, dump_reader
     assert not (tmp_path / "second" / "step0").exists()
 
 
-def test_only_one_debugger_started_at_a_time(tmp_path: Path) -> None:
+def test_only_one_debugger_started_at_a_time_in_a_thread(tmp_path: Path) -> None:
     first = PrecisionDebugger(dump_path=tmp_path / "a", level="L1")
     second = PrecisionDebugger(dump_path=tmp_path / "b", level="L1")
     first.start()
