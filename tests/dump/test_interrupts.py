@@ -33,12 +33,12 @@ pytestmark = pytest.mark.usefixtures("no_leftover_debugger")
 ORIGINALS = (F.relu, F.conv2d, torch.add, torch.Tensor.add_, torch.Tensor.mean)
 
 
-def _assert_nothing_left(model: torch.nn.Module | None = None) -> None:
-    """No wrapper, hook, started debugger or dump thread is left in the process."""
+def _assert_nothing_left(model: torch.nn.Module | None = None, grad: bool = True) -> None:
+    """No wrapper, hook, started debugger or dump thread is left in the process (``grad``: gradients are on)."""
     assert (F.relu, F.conv2d, torch.add, torch.Tensor.add_, torch.Tensor.mean) == ORIGINALS
     assert "__add__" not in vars(torch.Tensor) and not intercept.wrappers_installed()
     assert not intercept._HOLDERS and debugger_module._STARTED == {} and intercept._tls.active is None
-    assert torch.is_grad_enabled(), "the dump switched gradients off and did not switch them back"
+    assert torch.is_grad_enabled() or not grad, "the dump switched gradients off and did not switch them back"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if model is not None:
         for module in model.modules():
@@ -192,12 +192,27 @@ def test_random_interrupts_leave_the_debugger_clean(tmp_path: Path) -> None:
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)  # the timer thread gets the GIL soon after its delay
     previous_alarm = signal.signal(signal.SIGALRM, _raise_interrupt)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _note_swallowed
     try:
         _interrupt_runs(tmp_path)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous_alarm)
+        sys.unraisablehook = previous_hook
         sys.setswitchinterval(interval)
+
+
+_SWALLOWED: list[str] = []
+
+
+def _note_swallowed(unraisable: Any) -> None:
+    # Python itself drops an exception raised where nothing can catch it (a gc callback, a __del__, a weakref
+    # callback): an interrupt landing there never reaches any caller, with or without a dump
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        _SWALLOWED.append(repr(unraisable.object))
+    else:
+        sys.__unraisablehook__(unraisable)
 
 
 def _interrupt_runs(tmp_path: Path) -> None:
@@ -223,6 +238,7 @@ def _interrupt_runs(tmp_path: Path) -> None:
         run = _Run(root, task, level)
         interrupted = False
         timer = None
+        _SWALLOWED.clear()
         try:
             timer = _interrupter(delay, how=i % 3)
             run()
@@ -233,8 +249,11 @@ def _interrupt_runs(tmp_path: Path) -> None:
             interrupted = True
         if timer is not None:
             timer.join()
-        assert interrupted, f"run {i}: the KeyboardInterrupt never reached the caller"
-        landed[run.where] += 1
+        if interrupted:
+            landed[run.where] += 1
+        else:
+            assert _SWALLOWED, f"run {i}: the KeyboardInterrupt never reached the caller"
+            landed["swallowed by Python"] += 1
         context = f"run {i} ({task}, {level}), interrupted in {run.where} after {delay * 1e3:.1f} ms"
         try:
             if rng.random() < 0.4:  # as the plugin does: abort the step, then close at teardown
@@ -245,7 +264,10 @@ def _interrupt_runs(tmp_path: Path) -> None:
         except BaseException as exc:  # pragma: no cover - the failure message
             pytest.fail(f"{context}: close() raised {type(exc).__name__}: {exc}")
         try:
-            _assert_nothing_left(run.model)
+            # optimizer.step() itself switches gradients off and back in a finally clause that calls a Python
+            # function first: cut there, PyTorch leaves them off, with or without a dump
+            _assert_nothing_left(run.model, grad=run.where != "optimizer")
+            torch.set_grad_enabled(True)
             written += _assert_whole(root, task) if root.exists() else 0
         except AssertionError as exc:  # pragma: no cover - the failure message
             raise AssertionError(f"{context}: {exc}") from exc
