@@ -204,23 +204,24 @@ class _ModuleBackward:
         self.done = False
 
     def output_hook(self, slots: list[tuple[int, int]]) -> Callable[[Any, Any], None]:
-        def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
-            recorder = self.recorder
-            if recorder.closed:
-                return
-            if _get_ident() != recorder.owner:
-                claim_backward(recorder)
-            try:
-                for position, output_nr in slots:
-                    self.grads_in[position] = grad_outputs[output_nr]
-                self._arrived()
-            except BaseException as exc:
-                recorder.interrupted(exc)
-                raise
+        def take(grad_inputs: Any, grad_outputs: Any) -> None:
+            for position, output_nr in slots:
+                self.grads_in[position] = grad_outputs[output_nr]
 
-        return on_node
+        return self._node_hook(take)
 
     def consumer_hook(self, slots: list[tuple[int, int]]) -> Callable[[Any, Any], None]:
+        def take(grad_inputs: Any, grad_outputs: Any) -> None:
+            for edge_index, position in slots:
+                grad = grad_inputs[edge_index]
+                if grad is not None:
+                    self.grads_out[position].append(grad)
+
+        return self._node_hook(take)
+
+    def _node_hook(self, take: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        """An autograd node hook that hands the node's gradients to ``take``, then counts the node as arrived."""
+
         def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
             recorder = self.recorder
             if recorder.closed:
@@ -228,10 +229,7 @@ class _ModuleBackward:
             if _get_ident() != recorder.owner:
                 claim_backward(recorder)
             try:
-                for edge_index, position in slots:
-                    grad = grad_inputs[edge_index]
-                    if grad is not None:
-                        self.grads_out[position].append(grad)
+                take(grad_inputs, grad_outputs)
                 self._arrived()
             except BaseException as exc:
                 recorder.interrupted(exc)
