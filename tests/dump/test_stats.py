@@ -231,6 +231,22 @@ def test_tensors_off_the_fast_path_never_break_the_capture() -> None:
     assert (items[3]["Max"], items[3]["Min"]) == (1.0, -2.0) and type(saved["3.pt"]) is torch.Tensor
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_a_tensors_statistics_do_not_depend_on_the_others_of_its_step(dtype: torch.dtype) -> None:
+    """Small tensors of one shape are reduced together at flush: each gets, bit for bit, what it gets alone,
+    so a baseline and a run that dump other tensors beside it agree on it."""
+    g = torch.Generator().manual_seed(3)
+    for shape in ((7,), (3, 50), (2048,), (4096,)):
+        tensors = [(torch.randn(shape, generator=g) * 10 ** (i - 2)).to(dtype) for i in range(5)]
+        engine = StatEngine()
+        together = [engine.item(t) for t in tensors]
+        engine.flush()
+        for t, item in zip(tensors, together):
+            assert {k: item[k] for k in ("Max", "Min", "Mean", "Norm")} == {
+                k: _stats(t)[k] for k in ("Max", "Min", "Mean", "Norm")
+            }, (dtype, shape)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("size", [3, 4096, 5000, 300_000, 1 << 20])
 def test_mean_and_norm_are_within_1e_6_of_float64_at_any_size(dtype: torch.dtype, size: int) -> None:
