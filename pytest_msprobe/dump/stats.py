@@ -400,9 +400,9 @@ class StatEngine:
     def _special_item(self, t: torch.Tensor, data_name: str | None) -> dict[str, Any]:
         """Items of tensors off the fast path: subclasses, sparse and nested tensors.
 
-        A DTensor is described by its local shard, as msprobe does; tensors without data of their own (fake or
-        functional tensors), sparse and nested ones get no statistics (their metadata only), and a copy is saved
-        when tensors are, where the layout allows one.
+        A DTensor is described by its local shard, as msprobe does; a sparse tensor gets the statistics of its
+        dense equivalent; tensors without data of their own (fake or functional tensors) and nested ones get no
+        statistics (their metadata only), and a copy is saved when tensors are, where the layout allows one.
         """
         tp = type(t)
         local = getattr(t, "to_local", None)
@@ -435,6 +435,10 @@ class StatEngine:
             "Norm": None,
             "requires_grad": t.requires_grad,
         }
+        if t.layout is not _STRIDED and not t.is_nested:
+            ref = self._sparse(t)
+            if ref is not None:
+                self._pending.append((item, ref))
         if self.md5:
             item["md5"] = None
         if self.tensor_sink is not None and data_name is not None and not t.is_nested:
@@ -448,6 +452,30 @@ class StatEngine:
                 else:
                     item["data_name"] = data_name
         return item
+
+    def _sparse(self, t: torch.Tensor) -> _Ref:
+        """The statistics of a sparse tensor's dense equivalent, from its stored values: the implicit zeros
+        count in Max and Min and in the Mean's divisor, and add nothing to the sum or the norm."""
+        if t.is_meta:
+            return None
+        numel = t.numel()
+        kind = _KINDS.get(t.dtype)
+        if kind is None:
+            kind = _KINDS[t.dtype] = _kind_of(t.dtype)
+        if numel == 0 or kind == _K_NONE:
+            return None
+        with torch.no_grad():
+            try:
+                data = _detach(t)
+                # COO: duplicates of one position add up; compressed layouts (CSR, CSC, BSR, BSC) hold each once
+                coo = data.layout is torch.sparse_coo
+                values = data.coalesce()._values() if coo else data.values()
+                values = _reshape(values, (-1,))
+                if values.numel() < numel:
+                    values = _cat((values, _VF.zeros(1, dtype=values.dtype, device=values.device)))
+                return self._launch(values, kind, numel, None)
+            except Exception:  # a layout or device without these operators: no statistics
+                return None
 
     def _group(self, t: torch.Tensor, kind: int, scalar: bool) -> _Group:
         key = (t.dtype, t.device, scalar)

@@ -225,7 +225,8 @@ def test_tensors_off_the_fast_path_never_break_the_capture() -> None:
     ]
     engine.flush()
     assert items[0]["Max"] == 3.0 and items[0]["md5"] == crc32_hex(torch.arange(4.0))
-    assert items[1]["shape"] == [3, 3] and items[1]["Max"] is None and items[1]["md5"] is None
+    assert items[1]["shape"] == [3, 3] and (items[1]["Max"], items[1]["Min"]) == (1.0, 0.0)
+    assert items[1]["md5"] is None
     assert torch.equal(saved["1.pt"].to_dense(), torch.eye(3))
     assert items[2]["shape"] is None and items[2]["Max"] is None and "2.pt" not in saved
     assert (items[3]["Max"], items[3]["Min"]) == (1.0, -2.0) and type(saved["3.pt"]) is torch.Tensor
@@ -279,3 +280,32 @@ def test_the_norm_and_mean_of_a_100m_element_tensor_are_within_1e_6_of_float64()
         assert item["Norm"] == pytest.approx(exact_norm, rel=1e-6, abs=0)
         assert item["Max"] == t.max().item() and item["Min"] == t.min().item()
         del t
+
+
+@pytest.mark.filterwarnings("ignore:Sparse")
+def test_a_sparse_tensor_gets_the_statistics_of_its_dense_equivalent() -> None:
+    """Implicit zeros count in Max, Min and the Mean; duplicate COO entries add up; every sparse layout."""
+    g = torch.Generator().manual_seed(5)
+    # all positive: the implicit zeros show in Min
+    dense = torch.randn(40, 30, generator=g).clamp(min=0.5) + 1.0
+    dense[dense < 1.8] = 0
+    negative = -dense  # all non-positive: the zeros show in Max
+    duplicated = torch.sparse_coo_tensor(
+        torch.tensor([[0, 0, 1], [2, 2, 0]]), torch.tensor([1.5, 2.0, -4.0]), (3, 4)
+    )  # position (0, 2) twice: 3.5 there
+    cases = [
+        (dense.to_sparse(), dense),
+        (negative.to_sparse_csr(), negative),
+        (dense.to_sparse_csc(), dense),
+        (dense.to_sparse_bsr((2, 3)), dense),
+        (duplicated, duplicated.to_dense()),
+        (torch.zeros(5, 5).to_sparse(), torch.zeros(5, 5)),
+        ((dense > 0).to_sparse(), dense > 0),
+        (dense.to(torch.int64).to_sparse(), dense.to(torch.int64)),
+    ]
+    for sparse, equivalent in cases:
+        got, want = _stats(sparse), _stats(equivalent)
+        assert got["shape"] == want["shape"] and got["dtype"] == want["dtype"], sparse.layout
+        for name in ("Max", "Min", "Mean", "Norm"):
+            expected = None if want[name] is None else pytest.approx(want[name], rel=1e-12)
+            assert got[name] == expected, (sparse.layout, sparse.dtype, name)
