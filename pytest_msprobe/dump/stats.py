@@ -493,8 +493,12 @@ class StatEngine:
         kind = _KINDS.get(dtype)
         if kind is None:
             kind = _KINDS[dtype] = _kind_of(dtype)
-        if kind == _K_NONE or t.layout is not _STRIDED or t.is_meta:
+        if t.layout is not _STRIDED or t.is_meta:
             return None
+        if kind == _K_NONE:
+            if not t.is_quantized:
+                return None
+            t, kind, copy = t.dequantize(), _K_F32, None  # a quantized tensor: the values it stands for
         numel = t.numel()
         if numel == 0:
             return None

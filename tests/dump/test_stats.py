@@ -309,3 +309,21 @@ def test_a_sparse_tensor_gets_the_statistics_of_its_dense_equivalent() -> None:
         for name in ("Max", "Min", "Mean", "Norm"):
             expected = None if want[name] is None else pytest.approx(want[name], rel=1e-12)
             assert got[name] == expected, (sparse.layout, sparse.dtype, name)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per")
+def test_a_quantized_tensor_gets_the_statistics_of_the_values_it_stands_for() -> None:
+    x = torch.randn(10, 10, generator=torch.Generator().manual_seed(2))
+    for q in (
+        torch.quantize_per_tensor(x, 0.05, 3, torch.qint8),
+        torch.quantize_per_channel(
+            x, torch.rand(10) + 0.01, torch.zeros(10, dtype=torch.long), 0, torch.quint8
+        ),
+    ):
+        got, values = _stats(q), q.dequantize().double()
+        assert got["dtype"] == str(q.dtype) and (got["Max"], got["Min"]) == (
+            values.max().item(),
+            values.min().item(),
+        )
+        assert got["Mean"] == pytest.approx(values.mean().item(), rel=1e-12)
+        assert got["Norm"] == pytest.approx(values.norm().item(), rel=1e-12)
