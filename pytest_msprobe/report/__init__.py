@@ -17,7 +17,7 @@ from pytest_msprobe.report.advisor import advisor_text
 from pytest_msprobe.report.files import atomic_path, write_text
 from pytest_msprobe.report.summary import console_summary, summary_dict, summary_json
 from pytest_msprobe.report.table import api_sheet, compare_sheet
-from pytest_msprobe.report.xlsxwriter import write_xlsx
+from pytest_msprobe.report.xlsx import write_xlsx
 
 __all__ = ["ReportError", "console_summary", "summary_dict", "write_reports"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pytest_msprobe.compare.load import NONE, TENSOR, Leaf
 from pytest_msprobe.compare.result import ERROR, UNMATCHED, WARNING, CompareResult, RowResult
-from pytest_msprobe.report.xlsxwriter import BOLD_RED, GREY, PLAIN, RED, YELLOW, Sheet
+from pytest_msprobe.report.xlsx import BOLD_RED, GREY, PLAIN, RED, YELLOW, Sheet
 
 BASE_COLUMNS = (
     "NPU Name",

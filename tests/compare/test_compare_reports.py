@@ -14,7 +14,7 @@ from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.errors import ReportError
 from pytest_msprobe.report import console_summary, summary_dict, write_reports
-from pytest_msprobe.report import xlsxwriter as xw
+from pytest_msprobe.report import xlsx as xw
 from pytest_msprobe.report.table import EXTRA_COLUMNS, TENSOR_EXTRA_COLUMNS, columns
 
 KINDS = {"statistics": "stat_L1", "tensor": "tensor_L1", "md5": "md5_L1"}
