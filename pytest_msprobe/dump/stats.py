@@ -231,14 +231,14 @@ def _sum_and_norm(t: torch.Tensor) -> tuple[Any, Any]:
     if device == "cuda":
         return _sum(t, dtype=_F64), _vector_norm(t, dtype=_F64)
     n = t.numel()
+    low = _F32 if t.dtype in _LOW_FLOATS else None
     if device == "cpu":
         if n <= _CHUNK:
             wide = _to(t, _F64)
             return _sum(wide), _vector_norm(wide)
         flat = _reshape(t, (-1,))  # a view of a contiguous tensor; a copy of another
         total = _sum(_stack([_sum(chunk, dtype=_F64) for chunk in _split(flat, _CHUNK)]))
-        return total, _blocks(flat, _block_norm, _F32 if t.dtype in _LOW_FLOATS else None)
-    low = _F32 if t.dtype in _LOW_FLOATS else None
+        return total, _blocks(flat, _block_norm, low)
     if n <= _BLOCK:
         return _sum(t, dtype=low), _vector_norm(t, dtype=low)
     flat = _reshape(t, (-1,))
@@ -458,24 +458,16 @@ class StatEngine:
         count in Max and Min and in the Mean's divisor, and add nothing to the sum or the norm."""
         if t.is_meta:
             return None
-        numel = t.numel()
-        kind = _KINDS.get(t.dtype)
-        if kind is None:
-            kind = _KINDS[t.dtype] = _kind_of(t.dtype)
-        if numel == 0 or kind == _K_NONE:
+        try:
+            data = _detach(t)
+            # COO: duplicates of one position add up; compressed layouts (CSR, CSC, BSR, BSC) hold each once
+            coo = data.layout is torch.sparse_coo
+            values = _reshape(data.coalesce()._values() if coo else data.values(), (-1,))
+            if values.numel() < t.numel():
+                values = _cat((values, _VF.zeros(1, dtype=values.dtype, device=values.device)))
+        except Exception:  # a layout or device without these operators: no statistics
             return None
-        with torch.no_grad():
-            try:
-                data = _detach(t)
-                # COO: duplicates of one position add up; compressed layouts (CSR, CSC, BSR, BSC) hold each once
-                coo = data.layout is torch.sparse_coo
-                values = data.coalesce()._values() if coo else data.values()
-                values = _reshape(values, (-1,))
-                if values.numel() < numel:
-                    values = _cat((values, _VF.zeros(1, dtype=values.dtype, device=values.device)))
-                return self._launch(values, kind, numel, None)
-            except Exception:  # a layout or device without these operators: no statistics
-                return None
+        return self._compute(values, count=t.numel())
 
     def _group(self, t: torch.Tensor, kind: int, scalar: bool) -> _Group:
         key = (t.dtype, t.device, scalar)
@@ -484,10 +476,11 @@ class StatEngine:
             group = self._groups[key] = _Group(_G_SCALAR if scalar else kind)
         return group
 
-    def _compute(self, t: torch.Tensor, copy: torch.Tensor | None = None) -> _Ref:
+    def _compute(self, t: torch.Tensor, copy: torch.Tensor | None = None, count: int | None = None) -> _Ref:
         """Launch the statistics of ``t`` (no host sync); returns a reference resolved at flush.
 
         ``copy``: a private copy of ``t`` already taken, used instead of a new one where one is needed.
+        ``count``: the number of elements the Mean divides by, when ``t`` holds the values of a larger tensor.
         """
         dtype = t.dtype
         kind = _KINDS.get(dtype)
@@ -506,7 +499,7 @@ class StatEngine:
         try:  # inside: a cut right after switching grad off still switches it back
             if grad_was:
                 torch._C._set_grad_enabled(False)
-            return self._launch(t, kind, numel, copy)
+            return self._launch(t, kind, numel if count is None else count, copy)
         except Exception:  # an operator this device/dtype lacks: no statistics, but training goes on
             return None
         finally:
