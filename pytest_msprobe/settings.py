@@ -148,25 +148,30 @@ def check_apart(output: Path, baseline: Path, what: str = "the output folder") -
         )
 
 
+def _folder_option(
+    key: str, cli: Getter, ini: Getter, invocation_dir: Path, ini_dir: Path
+) -> tuple[Path | None, str]:
+    """A folder option and where it came from: the command line (relative to where pytest was started), else the
+    ini file (relative to it, and set even to nothing), else (None, "")."""
+    flag = "--" + key.replace("_", "-")
+    value = cli(key)
+    if value is not None:
+        return _path(_given(value, flag), invocation_dir), flag
+    value = ini(key)
+    if isinstance(value, str):
+        return _path(_given(value, f"ini {key}"), ini_dir), f"ini {key}"
+    return None, ""
+
+
 def resolve_session(cli: Getter, ini: Getter, invocation_dir: Path, ini_dir: Path) -> SessionSettings:
     """Session settings; command-line paths are relative to where pytest was started, ini paths to the ini file."""
-    baseline_cli, baseline_ini = cli("msprobe_baseline"), ini("msprobe_baseline")
-    if baseline_cli is not None:
-        baseline: Path | None = _path(_given(baseline_cli, "--msprobe-baseline"), invocation_dir)
-    elif isinstance(baseline_ini, str):  # set in the ini file, even to nothing
-        baseline = _path(_given(baseline_ini, "ini msprobe_baseline"), ini_dir)
-    else:
-        baseline = None
+    baseline, _ = _folder_option("msprobe_baseline", cli, ini, invocation_dir, ini_dir)
     regen = bool(cli("msprobe_regen_baseline")) or _truthy(
         ini("msprobe_regen_baseline") or False, "ini msprobe_regen_baseline"
     )
-    output_cli, output_ini = cli("msprobe_output"), ini("msprobe_output")
-    if output_cli is not None:
-        output = _path(_given(output_cli, "--msprobe-output"), invocation_dir)
-    elif isinstance(output_ini, str):
-        output = _path(_given(output_ini, "ini msprobe_output"), ini_dir)
-    else:
-        output = _path(DEFAULT_OUTPUT, ini_dir)
+    output, output_from = _folder_option("msprobe_output", cli, ini, invocation_dir, ini_dir)
+    if output is None:
+        output, output_from = _path(DEFAULT_OUTPUT, ini_dir), f"the output folder (default {DEFAULT_OUTPUT})"
     if cli("msprobe_device") is not None:
         _given(cli("msprobe_device"), "--msprobe-device")
     device = str(cli("msprobe_device") or ini("msprobe_device") or "auto").strip()
@@ -178,14 +183,7 @@ def resolve_session(cli: Getter, ini: Getter, invocation_dir: Path, ini_dir: Pat
     if baseline is not None and os.path.exists(baseline) and not os.path.isdir(baseline):
         raise ConfigError(f"the baseline folder {baseline} is a file, not a folder")
     if baseline is not None:
-        where = (
-            "--msprobe-output"
-            if output_cli is not None
-            else "ini msprobe_output"
-            if isinstance(output_ini, str)
-            else f"the output folder (default {DEFAULT_OUTPUT})"
-        )
-        check_apart(output, baseline, where)
+        check_apart(output, baseline, output_from)
     keep_dumps = bool(cli("msprobe_keep_dumps")) or _truthy(
         ini("msprobe_keep_dumps") or False, "ini msprobe_keep_dumps"
     )
