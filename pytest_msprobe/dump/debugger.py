@@ -194,7 +194,7 @@ class PrecisionDebugger:
         """Advance to the next training step (stopping first if needed)."""
         self.stop()
         with deferred_signals():
-            self._end_step()
+            self._drop_step()  # what was not handed to the writer thread is dropped
             self.current_step += 1
 
     def abort(self) -> None:
@@ -220,7 +220,7 @@ class PrecisionDebugger:
             try:  # also after stop() raised (the size limit, an interruption): nothing is left open
                 with deferred_signals():
                     self._detach()
-                    self._end_step()
+                    self._drop_step()  # what was not handed to the writer thread is dropped
                 self._files.wait()
             finally:
                 self._closed = True
@@ -358,10 +358,6 @@ class PrecisionDebugger:
             # capture of the step stages its new files with a new writer)
             self._files.submit(write_files)
             self._writer = None
-
-    def _end_step(self) -> None:
-        """Let go of the step: what was not handed to the writer thread (an interrupted step) is dropped."""
-        self._drop_step()
 
 
 def _sync_devices() -> None:

@@ -257,10 +257,6 @@ class TensorWriter:
         self.save()
         self.publish()
 
-    def close(self) -> None:
-        """Save and publish what is pending."""
-        self.join()
-
 
 def _why(exc: BaseException, folder: Path) -> str:
     if isinstance(exc, OSError):

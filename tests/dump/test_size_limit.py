@@ -170,7 +170,7 @@ def test_a_failed_tensor_write_leaves_no_half_written_file(
     with pytest.raises(
         DumpError, match=r"T\.2\.pt: cannot write \(torch\.save failed: .* bytes free on that disk\)"
     ):
-        w.close()
+        w.join()
     assert list(tmp_path.iterdir()) == [], "staged files are dropped, never published"
 
 
@@ -182,6 +182,6 @@ def test_a_writer_refuses_what_does_not_fit_before_writing_it(tmp_path: Path) ->
     assert not w.submit("c.pt", torch.ones(1))  # the third does not fit, however small
     assert not w.submit("d.pt", torch.ones(1))  # nor anything after it
     assert budget.refused == "c.pt"
-    w.close()
+    w.join()
     assert sorted(p.name for p in (tmp_path / "dump_tensor_data").iterdir()) == ["a.pt", "b.pt"]
     assert sum(p.stat().st_size for p in (tmp_path / "dump_tensor_data").iterdir()) <= budget.limit

@@ -56,7 +56,7 @@ def test_tensor_writer_saves_loadable_files_when_joined(tmp_path: Path) -> None:
     for name, t in tensors.items():
         w.submit(name, t)
     assert not folder.exists() and not list(tmp_path.iterdir())  # nothing written while capture runs
-    w.close()
+    w.join()
     for name, t in tensors.items():
         loaded = torch.load(folder / name, weights_only=True)
         assert torch.equal(loaded, t)
@@ -76,7 +76,7 @@ def test_tensor_writer_spills_past_its_memory_budget(tmp_path: Path) -> None:
     assert w.files_written == 0
     w.submit("big.pt", torch.ones(40))  # 176 bytes pending: both saved now, inside quiet()
     assert w.files_written == 2 and entered == [True]
-    w.close()
+    w.join()
     assert sorted(p.name for p in (tmp_path / "dump_tensor_data").iterdir()) == ["big.pt", "small.pt"]
 
 
@@ -86,7 +86,7 @@ def test_tensor_writer_reports_a_failure_on_join(tmp_path: Path) -> None:
     w = writer.TensorWriter(blocker)
     w.submit("x.pt", torch.ones(1))
     with pytest.raises(DumpError, match="dump_tensor_data"):
-        w.close()
+        w.join()
 
 
 def test_tensor_files_appear_together_when_published(tmp_path: Path) -> None:
@@ -97,6 +97,6 @@ def test_tensor_files_appear_together_when_published(tmp_path: Path) -> None:
     w.join()
     assert sorted(p.name for p in folder.iterdir()) == ["a.pt", "b.pt"]
     w.submit("c.pt", torch.ones(1))  # a later stop() in the same step adds to the published files
-    w.close()
+    w.join()
     assert sorted(p.name for p in folder.iterdir()) == ["a.pt", "b.pt", "c.pt"]
     assert [p.name for p in folder.parent.iterdir()] == ["dump_tensor_data"]
