@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.errors import ConfigError, MsprobeError
+from pytest_msprobe.format.files import config_error, read_json
 
 PROG = "pytest-msprobe"
 
@@ -138,13 +138,7 @@ def _resolve(value: str, compare_json: str) -> str:
 
 def _from_compare_json(path: str) -> tuple[str, str, str | None]:
     """npu_path, bench_path and stack_path of an msprobe compare.json."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
+    doc = read_json(path, config_error)
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a JSON object with npu_path and bench_path")
     found: dict[str, str | None] = {}

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.compare.thresholds import Thresholds, parse_threshold_value, thresholds_from_options
-from pytest_msprobe.device import DEVICE_CHOICES
 from pytest_msprobe.dump.config import parse_size
 from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.run.device import DEVICE_CHOICES
 
 TASKS = ("statistics", "tensor", "md5")
 LEVELS = ("L0", "L1", "mix")

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from pytest_msprobe.baseline import MANIFEST_NAME, BaselineStore, Manifest, baseline_folder, read_manifest
 from pytest_msprobe.errors import BaselineError
+from pytest_msprobe.run.baseline import MANIFEST_NAME, BaselineStore, Manifest, baseline_folder, read_manifest
 
 
 def _manifest(**kw: object) -> Manifest:
@@ -179,7 +179,7 @@ def test_a_refused_write_at_any_stage_names_the_path_and_keeps_the_old(
 ) -> None:
     import shutil
 
-    from pytest_msprobe import baseline
+    from pytest_msprobe.run import baseline
 
     store = BaselineStore(tmp_path / "b")
     final = store.write("t.py::test[x]", _dump(tmp_path / "d1", "old"), _manifest())

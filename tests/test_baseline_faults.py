@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_msprobe.baseline import MANIFEST_NAME, BaselineStore, baseline_folder
+from pytest_msprobe.run.baseline import MANIFEST_NAME, BaselineStore, baseline_folder
 
 NODEID = "tests/test_net.py::test_train[lr=0.1]"  # brackets: leftovers must be found without glob patterns
 STEPS, FILES, FILE_SIZE = 2, 12, 64 * 1024
@@ -33,8 +33,8 @@ _CHILD = textwrap.dedent(
     """
     import os, shutil, signal, sys, time
     from pathlib import Path
-    from pytest_msprobe import baseline
-    from pytest_msprobe.baseline import BaselineStore, Manifest
+    from pytest_msprobe.run import baseline
+    from pytest_msprobe.run.baseline import BaselineStore, Manifest
 
     args = sys.argv[1:]
     root = Path(args.pop(0))
@@ -260,7 +260,7 @@ _READER = textwrap.dedent(
     """
     import json, os, sys, time
     from pathlib import Path
-    from pytest_msprobe.baseline import BaselineStore
+    from pytest_msprobe.run.baseline import BaselineStore
     sys.path.insert(0, os.environ["TESTS"])
     from test_baseline_faults import _version_of
 

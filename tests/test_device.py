@@ -9,8 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from pytest_msprobe.device import describe_device, select_device
 from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.run.device import describe_device, select_device
 
 
 def test_cpu_and_auto_without_accelerators() -> None:
@@ -70,7 +70,7 @@ def test_npu_selection_imports_transfer_to_npu(tmp_path) -> None:
     code = textwrap.dedent(
         """
         import torch
-        from pytest_msprobe.device import describe_device, select_device
+        from pytest_msprobe.run.device import describe_device, select_device
         d = select_device("auto")
         assert d == torch.device("npu", 0), d
         assert getattr(torch.cuda, "transferred_to_npu", False)

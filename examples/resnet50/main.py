@@ -127,7 +127,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from pytest_msprobe import PrecisionDebugger, seed_all
-    from pytest_msprobe.device import describe_device, select_device
+    from pytest_msprobe.run.device import describe_device, select_device
 
     device_name = args.device if args.gpu is None or ":" in args.device else f"{args.device}:{args.gpu}"
     device = select_device(device_name)

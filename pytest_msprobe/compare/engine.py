@@ -29,7 +29,7 @@ from pytest_msprobe.compare.load import (
     tensor_path,
 )
 from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics, tensor_metrics
-from pytest_msprobe.compare.ranks import (
+from pytest_msprobe.compare.rank_order import (
     DISTRIBUTED,
     CallPlace,
     collective_keys,
@@ -49,7 +49,6 @@ from pytest_msprobe.compare.result import (
     PairCoverage,
     RowResult,
 )
-from pytest_msprobe.compare.tensorfile import open_tensor
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.compare.verdict import (
     Check,
@@ -64,6 +63,7 @@ from pytest_msprobe.compare.verdict import (
     summarize_api,
 )
 from pytest_msprobe.errors import ConfigError, DumpFormatError
+from pytest_msprobe.format.tensorfile import open_tensor
 
 MODES = ("auto", "statistics", "tensor", "md5")
 
@@ -91,7 +91,7 @@ def compare(
     ``jobs`` processes (default: the CPUs this process may use) compare the dump pairs (step, rank), each pair
     whole in one process (parsing, alignment, statistics, tensor metrics); a single pair spreads its tensor
     files over them instead. The result is the same whatever ``jobs``. Calls are ordered across ranks through
-    the collectives they share (see :mod:`pytest_msprobe.compare.ranks`), so the first divergence is the
+    the collectives they share (see :mod:`pytest_msprobe.compare.rank_order`), so the first divergence is the
     earliest over all ranks.
 
     Unusable input (a broken or hostile file, an empty dump, no step and rank in common) raises

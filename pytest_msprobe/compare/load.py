@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import math
 import os
 import re
@@ -21,9 +20,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pytest_msprobe.errors import DumpFormatError
-
-STEP_DIR = re.compile(r"^step(\d+)$")
-RANK_DIR = re.compile(r"^(?:rank(\d*)|proc(\d+))$")
+from pytest_msprobe.format.files import read_json
+from pytest_msprobe.format.layout import DUMP_JSON, RANK_DIR, STACK_JSON, STEP_DIR, TENSOR_DIR
 
 INPUT, OUTPUT, PARAMETER = "input", "output", "parameter"
 TENSOR, NONE, VALUE = "tensor", "none", "value"
@@ -97,7 +95,7 @@ class Dump:
     def tensor_dir(self) -> Path:
         # msprobe's dump_data_dir holds the absolute path where the dump was made; the copy we read may
         # live elsewhere, so tensors are always looked up next to the dump.json being read
-        return self.location.path.parent / "dump_tensor_data"
+        return self.location.path.parent / TENSOR_DIR
 
 
 # ---------------------------------------------------------------------------------------------------- names
@@ -169,7 +167,7 @@ def _discover(p: Path) -> list[DumpLocation]:
     if not p.is_dir():
         raise DumpFormatError(p, "not a regular file or folder")
     if _has_dump_json(p):
-        return [_locate(p / "dump.json")]
+        return [_locate(p / DUMP_JSON)]
     found = _rank_dirs(p)
     if found:
         return _number_ranks([(_step_of(p), d) for d in found])
@@ -208,7 +206,7 @@ def _missing(p: Path) -> str:
 
 def _has_dump_json(folder: Path) -> bool:
     """Whether ``folder`` holds a dump.json file (a dump.json that is not a file is an error, not absent)."""
-    candidate = folder / "dump.json"
+    candidate = folder / DUMP_JSON
     if candidate.is_file():
         return True
     if os.path.lexists(candidate):
@@ -263,7 +261,7 @@ def _number_ranks(found: list[tuple[int | None, Path]]) -> list[DumpLocation]:
             m = RANK_DIR.match(d.name)
             assert m is not None
             rank = proc_rank[d] if m.group(2) else int(m.group(1) or 0)
-            out.append(DumpLocation(d / "dump.json", step, rank, d.name))
+            out.append(DumpLocation(d / DUMP_JSON, step, rank, d.name))
     out.sort(key=lambda loc: (loc.step if loc.step is not None else -1, loc.rank or 0))
     return out
 
@@ -296,47 +294,6 @@ def json_kind(value: Any) -> str:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def read_json(path: Path) -> Any:
-    """Parse a JSON file; every way it can be unusable is a :class:`DumpFormatError` naming the file."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except IsADirectoryError:
-        raise DumpFormatError(path, "is a folder, not a file") from None
-    except OSError as exc:
-        raise DumpFormatError(path, f"cannot read ({exc.strerror or exc})") from None
-    return parse_json(path, raw)
-
-
-def parse_json(path: Path, raw: bytes) -> Any:
-    """Parse the bytes of a JSON file (UTF-8, as msprobe writes it)."""
-    if not raw.strip():
-        raise DumpFormatError(path, "empty file" if not raw else "holds only whitespace, no JSON")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DumpFormatError(
-            path, f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
-        ) from None
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        if exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string"):
-            # the text stops inside the document: a write that was cut short (killed, disk full)
-            raise DumpFormatError(
-                path, f"invalid JSON: truncated, the text ends at byte {len(raw)} inside the document"
-            ) from None
-        raise DumpFormatError(
-            path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from None
-    except RecursionError:
-        raise DumpFormatError(path, "invalid JSON: nested too deeply to parse") from None
-    except ValueError as exc:  # e.g. an integer of more digits than Python converts
-        raise DumpFormatError(path, f"invalid JSON ({exc})") from None
 
 
 def check_document(path: Path, doc: Any) -> tuple[dict[str, Any], str, str | None]:
@@ -571,7 +528,7 @@ def tensor_path(dump: Dump, data_name: str) -> Path:
             raise DumpFormatError(candidate, _missing(candidate)) from None
         raise DumpFormatError(candidate, f"cannot read ({exc.strerror or exc})") from None
     real = os.path.realpath(candidate)
-    allowed = os.path.join(os.path.realpath(dump.path.parent), "dump_tensor_data")
+    allowed = os.path.join(os.path.realpath(dump.path.parent), TENSOR_DIR)
     if os.path.commonpath([allowed, real]) != allowed:
         raise DumpFormatError(dump.path, f"data_name {data_name!r} leaves the dump folder (through a link)")
     if os.path.isdir(real):
@@ -584,7 +541,7 @@ def tensor_path(dump: Dump, data_name: str) -> Path:
 # ------------------------------------------------------------------------------------------------- stacks
 def read_stack(dump_json: Path) -> dict[str, list[str]]:
     """API name -> call stack frames, from the stack.json beside a dump.json ({} if absent or unreadable)."""
-    return read_stack_file(dump_json.parent / "stack.json")
+    return read_stack_file(dump_json.parent / STACK_JSON)
 
 
 def read_stack_file(path: Path) -> dict[str, list[str]]:

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -59,6 +58,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.format.files import config_error, read_json
 
 
 @dataclass(frozen=True)
@@ -285,15 +285,7 @@ def thresholds_from_dict(doc: Any, where: str = "thresholds") -> Thresholds:
 
 
 def load_thresholds_file(path: str | os.PathLike[str]) -> Thresholds:
-    where = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read thresholds file ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ConfigError(f"{where}: invalid JSON ({exc})") from None
-    return thresholds_from_dict(doc, where)
+    return thresholds_from_dict(read_json(path, config_error), os.fspath(path))
 
 
 def parse_share(text: str) -> float:

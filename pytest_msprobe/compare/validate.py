@@ -29,8 +29,8 @@ from pytest_msprobe.compare.load import (
     record,
     tensor_path,
 )
-from pytest_msprobe.compare.tensorfile import open_tensor
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.tensorfile import open_tensor
 
 # the keys of an entry whose values are rows (as flatten_entry reads them)
 _ROW_KEYS = ("input_args", "input_kwargs", "input", "parameters", "output")

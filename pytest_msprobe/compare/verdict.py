@@ -4,7 +4,7 @@ A row check returns a :class:`Check`; the thresholds it uses come from :class:`T
 
 The **first divergence** is where the error enters, not where it shows. Over all compared API calls in
 execution order (forward, then backward; steps; ranks ordered through the collectives they share, see
-:mod:`pytest_msprobe.compare.ranks`):
+:mod:`pytest_msprobe.compare.rank_order`):
 
 1. *enters*: the earliest call whose outputs breach while its inputs match (every input within a tenth of its
    tolerance: an input close to its line may have pushed the output over). The inputs of a backward call are

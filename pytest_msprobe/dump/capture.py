@@ -41,8 +41,8 @@ No gradient or activation is kept alive by the capture beyond the hook that reco
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -63,7 +63,9 @@ from pytest_msprobe.dump.intercept import (
     owns_backward,
     release_backward,
 )
-from pytest_msprobe.dump.naming import (
+from pytest_msprobe.dump.stack import StackTable, capture_stack
+from pytest_msprobe.dump.stats import StatEngine
+from pytest_msprobe.format.names import (
     BACKWARD,
     FORWARD,
     OPTIMIZER_NODE,
@@ -74,8 +76,6 @@ from pytest_msprobe.dump.naming import (
     scope_key,
     selected_by_list,
 )
-from pytest_msprobe.dump.stack import StackTable, capture_stack
-from pytest_msprobe.dump.stats import StatEngine
 
 _Tensor = torch.Tensor
 _AccumulateGrad: Any = torch._C._functions.AccumulateGrad

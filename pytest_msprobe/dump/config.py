@@ -12,7 +12,6 @@ the key, the value and (when it came from a file) the file.
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import os
 import re
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.errors import ConfigError, PathLike
+from pytest_msprobe.format.files import config_error, read_json
 
 TASKS = ("statistics", "tensor", "md5")
 LEVELS = ("L0", "L1", "mix")
@@ -291,17 +291,9 @@ def _parse_data_mode(value: Any, source: str | None) -> frozenset[str]:
 def read_config_file(config_path: PathLike) -> dict[str, Any]:
     """Read an msprobe ``config.json`` into a dict; a missing or malformed file raises ConfigError."""
     path = os.fspath(config_path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    if not os.path.lexists(path):
+        raise ConfigError(f"{path}: config file not found")
+    data = read_json(path, config_error)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
     return data

@@ -52,7 +52,6 @@ from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.dump.signals import heal as heal_signal_handlers
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.writer import (
-    TENSOR_DIR,
     BackgroundJobs,
     SizeBudget,
     TensorWriter,
@@ -61,6 +60,7 @@ from pytest_msprobe.dump.writer import (
     write_step_files,
 )
 from pytest_msprobe.errors import ConfigError, DumpError, DumpSizeError, PathLike
+from pytest_msprobe.format.layout import TENSOR_DIR
 
 # the debugger started on each thread (by thread ident): at most one per thread
 _STARTED: dict[int, PrecisionDebugger] = {}

@@ -14,7 +14,8 @@ import functools
 import os
 import random
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pytest_msprobe.errors import ConfigError
 

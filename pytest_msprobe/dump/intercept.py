@@ -39,14 +39,14 @@ import inspect
 import sys
 import threading
 import types
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pytest_msprobe.dump import api_lists
-from pytest_msprobe.dump.naming import PREFIXES
 from pytest_msprobe.dump.signals import deferred_signals
+from pytest_msprobe.format.names import PREFIXES
 
 if TYPE_CHECKING:  # pragma: no cover
     from pytest_msprobe.dump.capture import Recorder

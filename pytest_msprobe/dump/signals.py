@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import Any, Callable
+from typing import Any
 
 try:  # the C functions: signal's wrappers are Python functions, where a pending handler would run mid-way
     import _signal as _sig

@@ -27,7 +27,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -182,7 +182,7 @@ class _Group:
                     col[row] = value
 
 
-_Ref = Optional[tuple[_Group, int]]
+_Ref = tuple[_Group, int] | None
 # tensors of at most this many elements are copied when seen and reduced at flush
 _SMALL = 4096
 _ONE_PASS = 1 << 19

@@ -17,17 +17,21 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.errors import DumpError, PathLike
-
-DUMP_JSON = "dump.json"
-STACK_JSON = "stack.json"
-CONSTRUCT_JSON = "construct.json"
-TENSOR_DIR = "dump_tensor_data"
+from pytest_msprobe.format.files import write_text
+from pytest_msprobe.format.layout import (
+    CONSTRUCT_JSON,
+    DUMP_JSON,
+    STACK_JSON,
+    rank_folder,
+    step_folder,
+)
 
 
 def rank_dir_name() -> str:
@@ -35,10 +39,8 @@ def rank_dir_name() -> str:
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch built without distributed support
-        return "rank"
-    if dist.is_available() and dist.is_initialized():
-        return f"rank{dist.get_rank()}"
-    return "rank"
+        return rank_folder(None)
+    return rank_folder(dist.get_rank() if dist.is_available() and dist.is_initialized() else None)
 
 
 def current_rank() -> int:
@@ -54,25 +56,15 @@ def current_rank() -> int:
 
 def step_dir(dump_path: PathLike, step: int) -> Path:
     """``dump_path/step{N}/{rank dir}``."""
-    return Path(dump_path) / f"step{step}" / rank_dir_name()
-
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    return Path(dump_path) / step_folder(step) / rank_dir_name()
 
 
 def atomic_write_text(path: PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename."""
-    target = Path(path)
-    tmp = _tmp_name(target)
+    """Write ``text`` to ``path`` atomically; a failure is a :class:`DumpError` naming the file."""
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
+        write_text(path, text)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise DumpError(f"{target}: cannot write ({exc.strerror or exc})") from exc
+        raise DumpError(f"{path}: cannot write ({exc.strerror or exc})") from exc
 
 
 # one encoder for every entry (json.dumps with options builds a new one per call); NaN/Infinity are written as

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.errors import ReportError
+from pytest_msprobe.format.files import atomic_path, write_text
 from pytest_msprobe.report.advisor import advisor_text
-from pytest_msprobe.report.files import atomic_path, write_text
 from pytest_msprobe.report.summary import console_summary, summary_dict, summary_json
 from pytest_msprobe.report.table import api_sheet, compare_sheet
 from pytest_msprobe.report.xlsx import write_xlsx

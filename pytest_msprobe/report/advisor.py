@@ -9,7 +9,7 @@ import math
 import re
 
 from pytest_msprobe.compare.load import OUTPUT
-from pytest_msprobe.compare.ranks import collective_op
+from pytest_msprobe.compare.rank_order import collective_op
 from pytest_msprobe.compare.result import (
     ERROR,
     UNMATCHED_CAUSES,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from xml.sax.saxutils import escape
 
-from pytest_msprobe.report.files import atomic_path
+from pytest_msprobe.format.files import atomic_path
 
 # style ids (cellXfs indices in styles.xml below)
 PLAIN, HEADER, RED, YELLOW, GREY, BOLD_RED, BOLD = 0, 1, 2, 3, 4, 5, 6

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from compare_helpers import DATA
 
-from pytest_msprobe.compare.tensorfile import compute_dtype, open_tensor
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.tensorfile import compute_dtype, open_tensor
 
 torch = pytest.importorskip("torch")
 

@@ -33,8 +33,8 @@ from pytest_msprobe.cli import main
 from pytest_msprobe.compare import compare, validate
 from pytest_msprobe.compare import load as load_module
 from pytest_msprobe.compare import tensorfile as tensorfile_module
-from pytest_msprobe.compare.tensorfile import open_tensor
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.tensorfile import open_tensor
 from pytest_msprobe.report import write_reports
 
 BENCH_STAT = dump_dir("8.3.3", "bench", "stat_L1")

@@ -285,7 +285,7 @@ def _accelerators(device: str) -> int:
     if device == "cuda":
         ok = torch.cuda.is_available() and torch.distributed.is_nccl_available()
         return torch.cuda.device_count() if ok else 0
-    from pytest_msprobe.device import npu_usable
+    from pytest_msprobe.run.device import npu_usable
 
     return int(torch.npu.device_count()) if npu_usable() else 0  # type: ignore[attr-defined]
 

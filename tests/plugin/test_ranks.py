@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from pytest_msprobe.errors import ConfigError
-from pytest_msprobe.ranks import RankExit, rank_failure, rank_skip, run_processes
+from pytest_msprobe.run.launcher import RankExit, run_processes
+from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
 from pytest_msprobe.settings import DEFAULT_RANK_TIMEOUT, resolve_test
 
 BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]

@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.errors import BaselineError
+from pytest_msprobe.format.files import read_json
+from pytest_msprobe.format.layout import STEP_DIR
 
 MANIFEST_NAME = "msprobe_manifest.json"
-_STEP_DIR = re.compile(r"^step\d+$")
 _SAFE = re.compile(r"[^A-Za-z0-9._\-\[\]=+,@]")
 _MAX_PART = 100
 _TMP_TAG = ".msprobe-tmp-"
@@ -98,7 +99,7 @@ def baseline_folder(nodeid: str) -> Path:
 def is_dump_root(path: Path) -> bool:
     """True when ``path`` holds at least one ``step{N}`` folder (an msprobe dump root)."""
     try:
-        return any(_STEP_DIR.match(p.name) and p.is_dir() for p in path.iterdir())
+        return any(STEP_DIR.match(p.name) and p.is_dir() for p in path.iterdir())
     except OSError:
         return False
 
@@ -108,10 +109,7 @@ def read_manifest(path: Path) -> dict[str, Any] | None:
     file = path / MANIFEST_NAME
     if not file.is_file():
         return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BaselineError(f"{file}: unreadable baseline manifest ({exc})") from exc
+    data = read_json(file, lambda path, why: BaselineError(f"{path}: unreadable baseline manifest ({why})"))
     if not isinstance(data, dict):
         raise BaselineError(f"{file}: baseline manifest is not a JSON object")
     return data

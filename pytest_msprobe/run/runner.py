@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_msprobe import __version__
-from pytest_msprobe.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root, read_manifest
 from pytest_msprobe.errors import (
     BaselineError,
     BaselineMismatchError,
@@ -33,6 +32,7 @@ from pytest_msprobe.errors import (
     DumpSizeError,
     MsprobeError,
 )
+from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root, read_manifest
 from pytest_msprobe.settings import SessionSettings, TestSettings, check_apart
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -371,7 +371,7 @@ class MsprobeRun:
     def manifest(self) -> Manifest:
         import torch
 
-        from pytest_msprobe.device import describe_device
+        from pytest_msprobe.run.device import describe_device
 
         torch_npu = sys.modules.get("torch_npu")
         return Manifest(

@@ -10,7 +10,7 @@ verdict: it is an ERROR, from the set-up when the baseline's JSON files are brok
 problem shows only during the compare (a truncated tensor file) or the regeneration (a read-only folder); those
 call reports are counted as errors by :func:`pytest_report_teststatus`.
 
-A test marked ``world_size=N`` (N > 1) runs its body in N rank processes (:mod:`.ranks`): this process, the
+A test marked ``world_size=N`` (N > 1) runs its body in N rank processes (:mod:`.rank_worker`, :mod:`pytest_msprobe.run.launcher`): this process, the
 launcher, starts them in place of the body (:func:`pytest_pyfunc_call`), fails the test with the first rank that
 failed, and then compares all ranks' dumps as one test. Each rank is a pytest process of its own on the same test,
 told its part by the hidden option ``--msprobe-rank-spec``.
@@ -30,7 +30,7 @@ from pytest_msprobe.errors import BaselineError, MsprobeError
 from pytest_msprobe.settings import INI_KEYS, SessionSettings, resolve_session, resolve_test
 
 SESSION_KEY = pytest.StashKey[SessionSettings]()
-RANK_KEY = pytest.StashKey[Any]()  # in a rank process: its ranks.RankProcess
+RANK_KEY = pytest.StashKey[Any]()  # in a rank process: its rank_worker.RankProcess
 RUN_KEY = pytest.StashKey[Any]()  # the item's MsprobeRun
 OUTCOME_KEY = pytest.StashKey[Any]()  # the item's runner.Outcome
 VERDICT = "msprobe_verdict"  # user property: passed, failed, missing, regenerated or error
@@ -123,7 +123,7 @@ def pytest_configure(config: pytest.Config) -> None:
         if spec is None and config.stash[SESSION_KEY].active:
             _refuse_external_ranks(os.environ)
         if spec is not None:
-            from pytest_msprobe.ranks import RankProcess
+            from pytest_msprobe.pytest.rank_worker import RankProcess
 
             config.stash[RANK_KEY] = RankProcess.from_option(spec)
             config.pluginmanager.register(config.stash[RANK_KEY], "msprobe-rank")
@@ -166,9 +166,9 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
     (gloo on the CPU, nccl on CUDA, hccl on the NPU): ``msprobe.rank``, ``msprobe.world_size``, and
     ``msprobe.device`` is the rank's own (``cuda:LOCAL_RANK``). Wrap the model in DDP as usual.
     """
-    from pytest_msprobe.device import select_device
-    from pytest_msprobe.ranks import check_launch
-    from pytest_msprobe.runner import MsprobeRun
+    from pytest_msprobe.run.device import select_device
+    from pytest_msprobe.run.launcher import check_launch
+    from pytest_msprobe.run.runner import MsprobeRun
 
     config = request.config
     rank_process = config.stash.get(RANK_KEY, None)
@@ -228,7 +228,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     run = pyfuncitem.stash.get(RUN_KEY, None)
     if run is None or run.world_size == 1 or run.rank_process:
         return None
-    from pytest_msprobe.ranks import launch, rank_failure, rank_skip
+    from pytest_msprobe.pytest.rank_worker import launch
+    from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
 
     timeout = run.settings.rank_timeout
     exits = launch(pyfuncitem, run.world_size, run.backend, timeout, run.ranks_dir, run.dump_dir)
@@ -248,7 +249,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     run = item.stash.get(RUN_KEY, None)
     if run is None:
         return (yield)
-    from pytest_msprobe.runner import FAILED, MISSING
+    from pytest_msprobe.run.runner import FAILED, MISSING
 
     problem: str | None = None
     verdict = "failed"

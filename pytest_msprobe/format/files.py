@@ -1,0 +1,96 @@
+"""Files, read and written one way: a JSON file parsed with the project's errors, and atomic writes.
+
+A file written here is either the old file, the complete new one, or absent; a JSON file read here that is
+unusable in any way (absent, a folder, empty, not UTF-8, cut short, malformed) raises the caller's error with
+the file and the problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from pytest_msprobe.errors import DumpFormatError, PathLike
+
+# error(path, problem) -> the exception to raise
+ErrorFactory = Callable[[Path, str], Exception]
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_path(path: PathLike) -> Iterator[str]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path``, on failure it is removed."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically; OSError as the system gives it."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
+def read_json(path: PathLike, error: ErrorFactory = DumpFormatError) -> Any:
+    """Parse a JSON file; every way it can be unusable raises ``error(path, problem)``."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except IsADirectoryError:
+        raise error(path, "is a folder, not a file") from None
+    except OSError as exc:
+        raise error(path, f"cannot read ({exc.strerror or exc})") from None
+    return parse_json(path, raw, error)
+
+
+def parse_json(path: PathLike, raw: bytes, error: ErrorFactory = DumpFormatError) -> Any:
+    """Parse the bytes of a JSON file (UTF-8, a byte-order mark allowed), read from ``path``."""
+    path = Path(path)
+    if not raw.strip():
+        raise error(path, "empty file" if not raw else "holds only whitespace, no JSON")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(path, f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        if exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string"):
+            # the text stops inside the document: a write that was cut short (killed, disk full)
+            raise error(
+                path, f"invalid JSON: truncated, the text ends at byte {len(raw)} inside the document"
+            ) from None
+        raise error(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except RecursionError:
+        raise error(path, "invalid JSON: nested too deeply to parse") from None
+    except ValueError as exc:  # e.g. an integer longer than int() takes
+        raise error(path, f"invalid JSON ({exc})") from None
+
+
+def config_error(path: Path, problem: str) -> Exception:
+    """An ``error`` for :func:`read_json` of a settings file: :class:`ConfigError` ``"{path}: {problem}"``."""
+    from pytest_msprobe.errors import ConfigError
+
+    return ConfigError(f"{path}: {problem}")
