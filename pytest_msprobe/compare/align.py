@@ -20,8 +20,9 @@ from bisect import bisect_left
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.load import TENSOR, ApiEntry, is_parameters_grad
 from pytest_msprobe.compare.metrics import stat_metrics
+from pytest_msprobe.compare.records import TENSOR, ApiEntry
+from pytest_msprobe.format.names import is_parameters_grad
 
 # Beyond this many edits the dumps are too different for an ordered alignment to mean much (and it would be
 # slow): calls pair by name instead.

@@ -13,21 +13,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pytest_msprobe.compare.align import Alignment, align
-from pytest_msprobe.compare.load import (
-    INPUT,
-    OUTPUT,
-    TENSOR,
-    ApiEntry,
-    Dump,
-    DumpLocation,
-    Leaf,
-    discover,
-    is_parameters_grad,
-    parse_name,
-    read_dump,
-    read_stack,
-    tensor_path,
-)
 from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics, tensor_metrics
 from pytest_msprobe.compare.rank_order import (
     DISTRIBUTED,
@@ -35,6 +20,17 @@ from pytest_msprobe.compare.rank_order import (
     collective_keys,
     collective_peers,
     execution_order,
+)
+from pytest_msprobe.compare.records import (
+    INPUT,
+    OUTPUT,
+    TENSOR,
+    ApiEntry,
+    Dump,
+    Leaf,
+    read_dump,
+    read_stack,
+    tensor_path,
 )
 from pytest_msprobe.compare.result import (
     ERROR,
@@ -49,6 +45,7 @@ from pytest_msprobe.compare.result import (
     PairCoverage,
     RowResult,
 )
+from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.compare.verdict import (
     Check,
@@ -63,7 +60,8 @@ from pytest_msprobe.compare.verdict import (
     summarize_api,
 )
 from pytest_msprobe.errors import ConfigError, DumpFormatError
-from pytest_msprobe.format.tensorfile import open_tensor
+from pytest_msprobe.format.layout import DumpLocation, discover
+from pytest_msprobe.format.names import is_parameters_grad, parse_name
 
 MODES = ("auto", "statistics", "tensor", "md5")
 

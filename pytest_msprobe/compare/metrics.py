@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pytest_msprobe.format.tensorfile import TensorFile, compute_dtype
+from pytest_msprobe.format.tensordata import TensorFile, compute_dtype
 
 EPS = float(np.finfo(np.float32).eps)
 BLOCK = 1 << 16

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msprobe.compare.load import Leaf
 from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics
+from pytest_msprobe.compare.records import Leaf
 from pytest_msprobe.compare.thresholds import Thresholds, format_share
 
 PASS, WARNING, ERROR, UNMATCHED, SKIPPED = "pass", "warning", "error", "unmatched", "skipped"

@@ -25,8 +25,8 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.load import INPUT, NONE, OUTPUT, PARAMETER, TENSOR, VALUE, Leaf
 from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetrics, stat_metrics
+from pytest_msprobe.compare.records import INPUT, NONE, OUTPUT, PARAMETER, TENSOR, VALUE, Leaf
 from pytest_msprobe.compare.result import (
     ERROR,
     PASS,

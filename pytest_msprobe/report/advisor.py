@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 import re
 
-from pytest_msprobe.compare.load import OUTPUT
 from pytest_msprobe.compare.rank_order import collective_op
+from pytest_msprobe.compare.records import OUTPUT
 from pytest_msprobe.compare.result import (
     ERROR,
     UNMATCHED_CAUSES,

@@ -11,8 +11,8 @@ import pytest
 from compare_helpers import tensor, write_dump
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.load import OUTPUT, Leaf, flatten_entry
 from pytest_msprobe.compare.metrics import tensor_metrics
+from pytest_msprobe.compare.records import OUTPUT, Leaf, flatten_entry
 from pytest_msprobe.compare.result import ERROR, PASS, SKIPPED, UNMATCHED, WARNING, ApiResult, RowResult
 from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
 from pytest_msprobe.compare.verdict import (
