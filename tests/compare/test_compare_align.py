@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_msprobe.compare.align import MAX_EDITS, _myers, align
+from pytest_msprobe.compare.align import MAX_EDITS, align
+from pytest_msprobe.compare.editscript import myers as _myers
 from pytest_msprobe.compare.records import ApiEntry, flatten_entry
 
 
