@@ -11,19 +11,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# Imported eagerly, after the subpackage: the name ``compare`` of this package is then the function, not the
+# subpackage ``pytest_msprobe.compare`` (as msprobe's own package does), so ``pytest_msprobe.compare(...)``
+# calls it. The compare needs numpy only.
+from pytest_msprobe.compare.run import compare
+
 __version__ = "0.1.0"
 
 __all__ = ["PrecisionDebugger", "__version__", "compare", "seed_all"]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pytest_msprobe.compare.engine import compare
     from pytest_msprobe.dump.debugger import PrecisionDebugger
     from pytest_msprobe.dump.determinism import seed_all
 
 _LAZY = {
     "PrecisionDebugger": "pytest_msprobe.dump.debugger",
     "seed_all": "pytest_msprobe.dump.determinism",
-    "compare": "pytest_msprobe.compare.engine",
 }
 
 

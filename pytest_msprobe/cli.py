@@ -156,8 +156,8 @@ def _from_compare_json(path: str) -> tuple[str, str, str | None]:
 
 
 def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pytest_msprobe.compare.engine import compare
-    from pytest_msprobe.compare.load import read_stack_file
+    from pytest_msprobe.compare.records import read_stack_file
+    from pytest_msprobe.compare.run import compare
     from pytest_msprobe.compare.thresholds import thresholds_from_options
     from pytest_msprobe.report import console_summary, write_reports
 

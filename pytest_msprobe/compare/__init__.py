@@ -1,25 +1,15 @@
-"""The compare layer: load msprobe-format dumps, align them, judge every row, find the first divergence.
+"""The compare layer: read msprobe-format dumps, align them, judge every row, find the first divergence.
 
-Never imports torch (tensor files are read with numpy) nor pytest. The package itself is callable, so that
-``pytest_msprobe.compare(target, baseline)`` works whether ``compare`` resolves to this package or to
-:func:`pytest_msprobe.compare.engine.compare`.
+Never imports torch (tensor files are read with numpy; torch only for files of its legacy format) nor pytest.
+The entry point is :func:`pytest_msprobe.compare.run.compare`; :func:`validate` checks a dump without
+comparing it.
 """
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any
-
-from pytest_msprobe.compare.engine import compare
 from pytest_msprobe.compare.result import ApiResult, CompareResult, Divergence, RowResult
-from pytest_msprobe.compare.thresholds import (
-    ApiRule,
-    Thresholds,
-    Tolerance,
-    add_threshold_options,
-    thresholds_from_options,
-)
+from pytest_msprobe.compare.run import compare
+from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
 from pytest_msprobe.compare.validate import DumpCheck, validate
 
 __all__ = [
@@ -31,16 +21,6 @@ __all__ = [
     "RowResult",
     "Thresholds",
     "Tolerance",
-    "add_threshold_options",
     "compare",
-    "thresholds_from_options",
     "validate",
 ]
-
-
-class _CallableModule(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> CompareResult:
-        return compare(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pytest_msprobe.format.tensorfile import TensorFile, compute_dtype
+from pytest_msprobe.format.tensordata import TensorFile, compute_dtype
 
 EPS = float(np.finfo(np.float32).eps)
 BLOCK = 1 << 16
@@ -58,6 +58,7 @@ class TensorMetrics:
     nonfinite: str | None = None  # None, "same" or "different"
     numel: int = 0  # values compared (a complex element is two)
     note: str = ""
+    shape_differs: bool = False  # the two tensors have other shapes: no metric at all
 
     @property
     def error(self) -> float | None:
@@ -123,7 +124,7 @@ def tensor_metrics(
     n_shape, n_dt = _shape_dtype(n)
     b_shape, b_dt = _shape_dtype(b)
     if n_shape != b_shape:
-        return TensorMetrics(note=f"shape differs: {list(n_shape)} vs {list(b_shape)}")
+        return TensorMetrics(note=f"shape differs: {list(n_shape)} vs {list(b_shape)}", shape_differs=True)
     numel = math.prod(n_shape)
     if numel == 0:
         return TensorMetrics(numel=0, note="empty tensor")

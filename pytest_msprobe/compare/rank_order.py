@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pytest_msprobe.compare.load import parse_name
+from pytest_msprobe.format.names import parse_name
 
 DISTRIBUTED = "Distributed."
 # point-to-point calls pair a send on one rank with a receive on another under different names: they are no

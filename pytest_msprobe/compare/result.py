@@ -12,13 +12,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msprobe.compare.load import Leaf
 from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics
+from pytest_msprobe.compare.records import Leaf
 from pytest_msprobe.compare.thresholds import Thresholds, format_share
 
 PASS, WARNING, ERROR, UNMATCHED, SKIPPED = "pass", "warning", "error", "unmatched", "skipped"
 STATUSES = (PASS, WARNING, ERROR, UNMATCHED, SKIPPED)
 _SEVERITY = {SKIPPED: 0, PASS: 1, UNMATCHED: 2, WARNING: 3, ERROR: 4}
+
+
+# the kind of problem of a row that no tolerance could change (RowResult.problem; None for any other row)
+SHAPE = "shape"  # its two tensors have other shapes
+NONFINITE = "nonfinite"  # NaN/Inf on one side only
+UNUSABLE = "unusable"  # a side's statistics cannot be compared (NaN or null in a non-empty tensor)
+
+# the rules that place the first divergence (Divergence.rule), in the order they are tried; see
+# pytest_msprobe.compare.divergence
+ENTERS = "enters"  # the earliest call whose outputs breach while its inputs match
+STRUCTURAL = "structural"  # a call only one side makes, after which the numbers differ
+GROWS = "grows"  # errors flow in everywhere: the earliest call that amplifies its input error
+INHERITED = "inherited"  # the earliest breaching call: its inputs already differ
+RULES = (ENTERS, STRUCTURAL, GROWS, INHERITED)
 
 
 def worst(statuses: Any) -> str:
@@ -43,6 +57,7 @@ class RowResult:
     stat: StatMetrics | None = None
     tensor: TensorMetrics | None = None
     msprobe_accuracy: str | None = None  # tensor mode: msprobe 8.3.3's rule, "Yes" / "No"
+    problem: str | None = None  # SHAPE, NONFINITE, UNUSABLE, or None
 
 
 @dataclass(frozen=True)
@@ -80,7 +95,7 @@ class Divergence:
     step: int | None
     rank: int | None
     reason: str
-    rule: str  # "enters" (inputs match), "grows" (amplified), "inherited" (inputs already differ)
+    rule: str  # one of RULES: ENTERS, STRUCTURAL, GROWS or INHERITED
     api_index: int
     row_index: int
 

@@ -1,4 +1,4 @@
-"""msprobe-compatible record names and the per-step call counters.
+"""msprobe-compatible record names, built and parsed (one grammar), and the per-step call counters.
 
 Names, as msprobe writes them:
 
@@ -13,6 +13,9 @@ Names, as msprobe writes them:
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -99,3 +102,60 @@ def scope_key(name: str) -> str:
     if name.endswith("." + FORWARD) or name.endswith("." + BACKWARD):
         return name.rpartition(".")[0]
     return name
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+_DIRECTION = f"(?P<dir>{FORWARD}|{BACKWARD})"
+_API_NAME = re.compile(rf"^(?P<base>.+)\.(?P<n>\d+)\.{_DIRECTION}$")
+_MODULE_NAME = re.compile(rf"^(?P<base>.+)\.{_DIRECTION}\.(?P<n>\d+)$")
+# module records: ours and msprobe's for PyTorch (Module), msprobe's for MindSpore (Cell)
+_MODULE_PREFIXES = (f"{MODULE_PREFIX}.", "Cell.")
+
+
+@dataclass(frozen=True)
+class NameParts:
+    """An entry name split into the call's identity, its per-step call counter and its direction."""
+
+    base: str  # "Functional.relu", "Module.layer1.BasicBlock", "Module.fc.Linear.parameters_grad"
+    counter: int | None
+    direction: str | None  # "forward", "backward", or None for names of another shape
+    module_style: bool = False  # counter after the direction (modules) rather than before it (APIs)
+
+    def with_direction(self, direction: str) -> str:
+        """The name of the same call in the other direction (forward <-> backward)."""
+        if self.counter is None:
+            return f"{self.base}.{direction}"
+        if self.module_style:
+            return module_name(self.base, direction, self.counter)
+        return api_name(self.base, self.counter, direction)
+
+
+def parse_name(name: str) -> NameParts:
+    """Split ``Functional.relu.2.forward`` / ``Module.fc.Linear.backward.0`` / ``...parameters_grad``."""
+    if is_parameters_grad(name):
+        head, _, tail = name.rpartition(".")
+        if tail.isdigit():
+            return NameParts(head, int(tail), BACKWARD, module_style=True)
+        return NameParts(name, None, BACKWARD)
+    if name.startswith(_MODULE_PREFIXES):
+        m = _MODULE_NAME.match(name)
+        if m:
+            return NameParts(m.group("base"), int(m.group("n")), m.group("dir"), module_style=True)
+    m = _API_NAME.match(name)
+    if m:
+        return NameParts(m.group("base"), int(m.group("n")), m.group("dir"))
+    m = _MODULE_NAME.match(name)
+    if m:
+        return NameParts(m.group("base"), int(m.group("n")), m.group("dir"), module_style=True)
+    return NameParts(name, None, None)
+
+
+def is_parameters_grad(name: str) -> bool:
+    """Whether a record is a module's parameter gradients (``...parameters_grad``, some versions add ``.N``)."""
+    parts = name.split(".")
+    return parts[-1] == PARAMS_GRAD or (len(parts) >= 2 and parts[-2] == PARAMS_GRAD)
+
+
+def params_grad_module(base: str) -> str:
+    """``params_grad_module("Module.fc.Linear.parameters_grad")`` -> ``"Module.fc.Linear"``."""
+    return base.rsplit(f".{PARAMS_GRAD}", 1)[0]

@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 import re
 
-from pytest_msprobe.compare.load import OUTPUT
+from pytest_msprobe.compare.divergence import other_shape
 from pytest_msprobe.compare.rank_order import collective_op
+from pytest_msprobe.compare.records import OUTPUT
 from pytest_msprobe.compare.result import (
     ERROR,
     UNMATCHED_CAUSES,
@@ -18,7 +19,6 @@ from pytest_msprobe.compare.result import (
     Divergence,
 )
 from pytest_msprobe.compare.thresholds import format_share
-from pytest_msprobe.compare.verdict import other_shape
 from pytest_msprobe.report.summary import first_unmatched_text
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pytest_msprobe.compare.judge import fmt_number
 from pytest_msprobe.compare.metrics import STAT_NAMES
 from pytest_msprobe.compare.result import ERROR, CompareResult, RowResult
-from pytest_msprobe.compare.verdict import fmt_number
 from pytest_msprobe.report.summary import coverage_lines, rank_line
 
 

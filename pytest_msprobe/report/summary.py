@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pytest_msprobe.compare.judge import fmt_number
 from pytest_msprobe.compare.result import ERROR, UNMATCHED_CAUSES, ApiResult, CompareResult
 from pytest_msprobe.compare.thresholds import format_share
-from pytest_msprobe.compare.verdict import fmt_number
 
 
 def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict[str, Any]:

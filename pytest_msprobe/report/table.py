@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pytest_msprobe.compare.load import NONE, TENSOR, Leaf
+from pytest_msprobe.compare.records import NONE, TENSOR, Leaf
 from pytest_msprobe.compare.result import ERROR, UNMATCHED, WARNING, CompareResult, RowResult
 from pytest_msprobe.report.xlsx import BOLD_RED, GREY, PLAIN, RED, YELLOW, Sheet
 

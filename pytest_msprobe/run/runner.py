@@ -467,7 +467,7 @@ class MsprobeRun:
     def _check_every_step(self) -> None:
         """Every requested step (on every rank) is in the dump: a loop shorter than the steps asked for, or a
         rank that stopped early, would otherwise store or compare fewer steps than the test names."""
-        from pytest_msprobe.compare.load import discover
+        from pytest_msprobe.format.layout import discover
 
         try:
             found = {(loc.step, loc.rank or 0) for loc in discover(self.dump_dir)}

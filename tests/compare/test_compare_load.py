@@ -11,21 +11,21 @@ import openpyxl
 import pytest
 from compare_helpers import DATA, dump_dir, rank_dir, tensor, write_dump
 
-from pytest_msprobe.compare.load import (
+from pytest_msprobe.compare.records import (
     INPUT,
     NONE,
     OUTPUT,
     PARAMETER,
     TENSOR,
     VALUE,
-    discover,
     flatten_entry,
-    parse_name,
     read_dump,
     read_stack,
     tensor_path,
 )
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.layout import discover
+from pytest_msprobe.format.names import parse_name
 
 
 @pytest.mark.parametrize("version", ["8.3.3", "26.2.0"])

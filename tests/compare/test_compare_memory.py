@@ -19,7 +19,7 @@ from test_hostile_inputs import tensor_pickle, torch_archive
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.metrics import BLOCK
-from pytest_msprobe.format.tensorfile import open_tensor
+from pytest_msprobe.compare.tensors import open_tensor
 
 ELEMENTS = 1 << 20  # 4 MiB of float32 per tensor
 CALLS = 16

@@ -16,8 +16,8 @@ from test_compare_verdict import build, call
 from torch_dumps import dump_training
 
 from pytest_msprobe.compare import compare
+from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.result import CompareResult
-from pytest_msprobe.compare.verdict import first_divergence
 from pytest_msprobe.report import console_summary, summary_json
 from pytest_msprobe.report.advisor import advisor_text
 from pytest_msprobe.report.failure import failure_message

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from compare_helpers import DATA
 
+from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.format.tensorfile import compute_dtype, open_tensor
+from pytest_msprobe.format.tensordata import compute_dtype
 
 torch = pytest.importorskip("torch")
 

@@ -11,19 +11,19 @@ import pytest
 from compare_helpers import tensor, write_dump
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.load import OUTPUT, Leaf, flatten_entry
-from pytest_msprobe.compare.metrics import tensor_metrics
-from pytest_msprobe.compare.result import ERROR, PASS, SKIPPED, UNMATCHED, WARNING, ApiResult, RowResult
-from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
-from pytest_msprobe.compare.verdict import (
+from pytest_msprobe.compare.divergence import first_divergence
+from pytest_msprobe.compare.judge import (
     Check,
     check_kinds,
     check_md5,
     check_statistics,
     check_tensors,
-    first_divergence,
     msprobe_accuracy,
 )
+from pytest_msprobe.compare.metrics import tensor_metrics
+from pytest_msprobe.compare.records import OUTPUT, Leaf, flatten_entry
+from pytest_msprobe.compare.result import ERROR, PASS, SKIPPED, UNMATCHED, WARNING, ApiResult, RowResult
+from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
 
 F32 = Tolerance(1e-4, 1e-5, 1e-12)
 

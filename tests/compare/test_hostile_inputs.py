@@ -31,10 +31,10 @@ from compare_helpers import dump_dir, tensor, write_dump
 
 from pytest_msprobe.cli import main
 from pytest_msprobe.compare import compare, validate
-from pytest_msprobe.compare import load as load_module
-from pytest_msprobe.compare import tensorfile as tensorfile_module
+from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.format.tensorfile import open_tensor
+from pytest_msprobe.format import files as load_module
+from pytest_msprobe.format import tensorfile as tensorfile_module
 from pytest_msprobe.report import write_reports
 
 BENCH_STAT = dump_dir("8.3.3", "bench", "stat_L1")

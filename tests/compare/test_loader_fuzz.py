@@ -30,9 +30,10 @@ import pytest
 from compare_helpers import dump_dir
 
 from pytest_msprobe.compare import compare, validate
-from pytest_msprobe.compare.load import discover, read_dump
+from pytest_msprobe.compare.records import read_dump
+from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.format.tensorfile import open_tensor
+from pytest_msprobe.format.layout import discover
 
 BUDGET = float(os.environ.get("MSPROBE_FUZZ_SECONDS", "10"))
 KEEP_CALLS = 12  # calls kept from each real dump: every kind of record, milliseconds per compare

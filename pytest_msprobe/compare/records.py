@@ -1,18 +1,15 @@
-"""Find and read msprobe-format dumps: any layout, any version (8.3.3, 26.x, ours).
+"""Read a dump.json into records: msprobe's format of any version (8.3.3, 26.x, ours).
 
-A dump is addressed by a ``dump.json``, a rank folder (``rank``, ``rank{R}``, ``proc{PID}``), a step folder
-(holding rank folders) or a dump root (holding ``step{N}/``). :func:`discover` turns any of these into the
-list of ``dump.json`` files with their step and rank; :func:`read_dump` parses one into API entries whose
-inputs and outputs are flattened into rows named the way msprobe's compare names them
+:func:`read_dump` parses one dump.json (found by :func:`pytest_msprobe.format.layout.discover`) into API
+entries whose inputs and outputs are flattened into rows named the way msprobe's compare names them
 (``<api>.input.0``, ``<api>.input.3.0``, ``<api>.input.<kwarg>``, ``<api>.parameters.weight``,
-``<api>.output.0``, ``<module>.parameters_grad.weight``).
+``<api>.output.0``, ``<module>.parameters_grad.weight``); every record is checked on the way.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -21,7 +18,8 @@ from typing import Any, NamedTuple
 
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.files import read_json
-from pytest_msprobe.format.layout import DUMP_JSON, RANK_DIR, STACK_JSON, STEP_DIR, TENSOR_DIR
+from pytest_msprobe.format.layout import STACK_JSON, TENSOR_DIR, DumpLocation, missing_reason
+from pytest_msprobe.format.names import NameParts, is_parameters_grad, parse_name
 
 INPUT, OUTPUT, PARAMETER = "input", "output", "parameter"
 TENSOR, NONE, VALUE = "tensor", "none", "value"
@@ -68,16 +66,6 @@ class ApiEntry:
 
 
 @dataclass(frozen=True)
-class DumpLocation:
-    """A dump.json found on disk, with the step and rank it belongs to (None where the path does not say)."""
-
-    path: Path
-    step: int | None
-    rank: int | None
-    rank_dir: str | None
-
-
-@dataclass(frozen=True)
 class Dump:
     """A parsed dump.json."""
 
@@ -96,174 +84,6 @@ class Dump:
         # msprobe's dump_data_dir holds the absolute path where the dump was made; the copy we read may
         # live elsewhere, so tensors are always looked up next to the dump.json being read
         return self.location.path.parent / TENSOR_DIR
-
-
-# ---------------------------------------------------------------------------------------------------- names
-_API_NAME = re.compile(r"^(?P<base>.+)\.(?P<n>\d+)\.(?P<dir>forward|backward)$")
-_MODULE_NAME = re.compile(r"^(?P<base>.+)\.(?P<dir>forward|backward)\.(?P<n>\d+)$")
-
-
-@dataclass(frozen=True)
-class NameParts:
-    """An entry name split into the call's identity, its per-step call counter and its direction."""
-
-    base: str  # "Functional.relu", "Module.layer1.BasicBlock", "Module.fc.Linear.parameters_grad"
-    counter: int | None
-    direction: str | None  # "forward", "backward", or None for names of another shape
-    module_style: bool = False  # counter after the direction (modules) rather than before it (APIs)
-
-    def with_direction(self, direction: str) -> str:
-        """The name of the same call in the other direction (forward <-> backward)."""
-        if self.counter is None:
-            return f"{self.base}.{direction}"
-        if self.module_style:
-            return f"{self.base}.{direction}.{self.counter}"
-        return f"{self.base}.{self.counter}.{direction}"
-
-
-def parse_name(name: str) -> NameParts:
-    """Split ``Functional.relu.2.forward`` / ``Module.fc.Linear.backward.0`` / ``...parameters_grad``."""
-    if is_parameters_grad(name):
-        head, _, tail = name.rpartition(".")
-        if tail.isdigit():
-            return NameParts(head, int(tail), "backward", module_style=True)
-        return NameParts(name, None, "backward")
-    if name.startswith(("Module.", "Cell.")):
-        m = _MODULE_NAME.match(name)
-        if m:
-            return NameParts(m.group("base"), int(m.group("n")), m.group("dir"), module_style=True)
-    m = _API_NAME.match(name)
-    if m:
-        return NameParts(m.group("base"), int(m.group("n")), m.group("dir"))
-    m = _MODULE_NAME.match(name)
-    if m:
-        return NameParts(m.group("base"), int(m.group("n")), m.group("dir"), module_style=True)
-    return NameParts(name, None, None)
-
-
-# ------------------------------------------------------------------------------------------------ discovery
-def discover(path: str | os.PathLike[str]) -> list[DumpLocation]:
-    """Every dump.json under ``path`` (a dump.json, rank folder, step folder or dump root), sorted by step, rank.
-
-    A folder that looks like part of a dump but is not complete is unusable input, not something to skip: a
-    step folder of a dump root without any rank folder, or a rank folder without its dump.json, is what an
-    interrupted dump leaves behind, and comparing around it would silently check less than was asked.
-    """
-    p = Path(path)
-    try:
-        return _discover(p)
-    except OSError as exc:  # a permission error while looking around (stat, listing)
-        where = exc.filename if isinstance(exc.filename, str) else p
-        raise DumpFormatError(where, f"cannot read ({exc.strerror or exc})") from None
-
-
-def _discover(p: Path) -> list[DumpLocation]:
-    if not p.exists():
-        raise DumpFormatError(p, _missing(p))
-    if p.is_file():
-        if p.suffix != ".json":
-            raise DumpFormatError(p, "expected a dump.json or a dump folder")
-        return [_locate(p)]
-    if not p.is_dir():
-        raise DumpFormatError(p, "not a regular file or folder")
-    if _has_dump_json(p):
-        return [_locate(p / DUMP_JSON)]
-    found = _rank_dirs(p)
-    if found:
-        return _number_ranks([(_step_of(p), d) for d in found])
-    steps = sorted(
-        ((int(m.group(1)), child) for child in _subdirs(p) if (m := STEP_DIR.match(child.name))),
-        key=lambda t: t[0],
-    )
-    located: list[tuple[int | None, Path]] = []
-    for step, step_dir in steps:
-        ranks = _rank_dirs(step_dir)
-        if not ranks:
-            raise DumpFormatError(
-                step_dir, "step folder holds no rank folder with a dump.json (rank, rank{R}, proc{PID})"
-            )
-        located.extend((step, d) for d in ranks)
-    if not located:
-        raise DumpFormatError(
-            p,
-            "no dump.json found: expected a dump.json, a rank folder (rank, rank{R}, proc{PID}), "
-            "a step folder holding rank folders, or a dump root holding step{N} folders",
-        )
-    return _number_ranks(located)
-
-
-def _missing(p: Path) -> str:
-    """Why a path that does not exist does not: absent, a dangling link, or a loop of links."""
-    if not os.path.islink(p):
-        return "no such file or directory"
-    try:
-        os.stat(p)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            return "symbolic link loop"
-    return f"symbolic link to {os.readlink(p)!r}, which does not exist"
-
-
-def _has_dump_json(folder: Path) -> bool:
-    """Whether ``folder`` holds a dump.json file (a dump.json that is not a file is an error, not absent)."""
-    candidate = folder / DUMP_JSON
-    if candidate.is_file():
-        return True
-    if os.path.lexists(candidate):
-        if candidate.is_dir():
-            raise DumpFormatError(candidate, "is a folder, not a file")
-        if not candidate.exists():
-            raise DumpFormatError(candidate, _missing(candidate))
-        raise DumpFormatError(candidate, "not a regular file")
-    return False
-
-
-def _subdirs(p: Path) -> list[Path]:
-    try:
-        return sorted(child for child in p.iterdir() if child.is_dir())
-    except OSError as exc:
-        raise DumpFormatError(p, f"cannot list folder ({exc.strerror or exc})") from None
-
-
-def _rank_dirs(p: Path) -> list[Path]:
-    found = []
-    for d in _subdirs(p):
-        if not RANK_DIR.match(d.name):
-            continue
-        if not _has_dump_json(d):
-            raise DumpFormatError(d, "rank folder holds no dump.json (an interrupted dump?)")
-        found.append(d)
-    return found
-
-
-def _step_of(p: Path) -> int | None:
-    m = STEP_DIR.match(p.name)
-    return int(m.group(1)) if m else None
-
-
-def _locate(dump_json: Path) -> DumpLocation:
-    rank_dir = dump_json.parent
-    if not RANK_DIR.match(rank_dir.name):
-        return DumpLocation(dump_json, None, None, None)
-    return _number_ranks([(_step_of(rank_dir.parent), rank_dir)])[0]
-
-
-def _number_ranks(found: list[tuple[int | None, Path]]) -> list[DumpLocation]:
-    """Rank numbers: R for ``rank{R}``; 0 for ``rank``; ``proc{PID}`` folders of a step numbered in PID order."""
-    out: list[DumpLocation] = []
-    by_step: dict[int | None, list[Path]] = {}
-    for step, d in found:
-        by_step.setdefault(step, []).append(d)
-    for step, dirs in by_step.items():
-        procs = sorted((int(m.group(2)), d) for d in dirs if (m := RANK_DIR.match(d.name)) and m.group(2))
-        proc_rank = {d: i for i, (_, d) in enumerate(procs)}
-        for d in dirs:
-            m = RANK_DIR.match(d.name)
-            assert m is not None
-            rank = proc_rank[d] if m.group(2) else int(m.group(1) or 0)
-            out.append(DumpLocation(d / DUMP_JSON, step, rank, d.name))
-    out.sort(key=lambda loc: (loc.step if loc.step is not None else -1, loc.rank or 0))
-    return out
 
 
 # ------------------------------------------------------------------------------------------------- parsing
@@ -339,11 +159,6 @@ def malformed(name: str, exc: BaseException) -> str:
 
 
 _SECTIONS = (("input_args", INPUT), ("input_kwargs", INPUT), ("input", INPUT), ("parameters", PARAMETER))
-
-
-def is_parameters_grad(name: str) -> bool:
-    parts = name.split(".")
-    return parts[-1] == "parameters_grad" or (len(parts) >= 2 and parts[-2] == "parameters_grad")
 
 
 def flatten_entry(name: str, body: Any) -> list[Leaf]:
@@ -510,9 +325,7 @@ def tensor_path(dump: Dump, data_name: str) -> Path:
     a hostile dump cannot have the compare read ``/dev/zero``, a FIFO or a file outside the dump.
     """
     if not data_name or "\0" in data_name or os.path.isabs(data_name) or data_name.startswith(("/", "\\")):
-        raise DumpFormatError(
-            dump.path, f"data_name {data_name!r} is not a file name inside dump_tensor_data"
-        )
+        raise DumpFormatError(dump.path, f"data_name {data_name!r} is not a file name inside {TENSOR_DIR}")
     parts = re.split(r"[\\/]", data_name)
     if any(part in ("..", "") for part in parts):
         raise DumpFormatError(dump.path, f"data_name {data_name!r} leaves the dump folder")
@@ -525,7 +338,7 @@ def tensor_path(dump: Dump, data_name: str) -> Path:
         if exc.errno == errno.ELOOP:
             raise DumpFormatError(candidate, "symbolic link loop") from None
         if exc.errno == errno.ENOENT:
-            raise DumpFormatError(candidate, _missing(candidate)) from None
+            raise DumpFormatError(candidate, missing_reason(candidate)) from None
         raise DumpFormatError(candidate, f"cannot read ({exc.strerror or exc})") from None
     real = os.path.realpath(candidate)
     allowed = os.path.join(os.path.realpath(dump.path.parent), TENSOR_DIR)
@@ -567,7 +380,3 @@ def read_stack_file(path: Path) -> dict[str, list[str]]:
         elif isinstance(value, list):
             stacks[key] = [str(f) for f in value]
     return stacks
-
-
-def is_finite(value: float | None) -> bool:
-    return value is not None and math.isfinite(value)

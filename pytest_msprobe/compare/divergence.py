@@ -1,0 +1,262 @@
+"""The first divergence: where the error enters, not where it shows.
+
+Over all compared API calls in execution order (forward, then backward; steps; ranks ordered through the
+collectives they share, see :mod:`pytest_msprobe.compare.rank_order`), the first of these rules that applies
+places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
+
+1. *enters*: the earliest call whose outputs breach while its inputs match (every input within a tenth of its
+   tolerance: an input close to its line may have pushed the output over). The inputs of a backward call are
+   the gradients flowing in plus the tensors its forward call saw (a backward kernel reads them); a module's
+   ``parameters_grad`` has the inputs of the module's backward. The inputs of a collective are its inputs on
+   every rank of its group: an all_reduce whose output differs on rank 0 while rank 0's own input matches
+   does not let the error in when rank 1's input already differs.
+2. *structural*: otherwise, when the first error shows at or after a call that reads the output of a call
+   only one side makes (an inserted or removed call, see :func:`pytest_msprobe.compare.explain.explain_structural`),
+   the earliest such one-side call: the error enters with it. Not when rule 4 would find inputs of other
+   shapes: then the dumps come from another model or data, which is more than a call added or removed.
+3. *grows*: if every breaching call already has breaching inputs (errors flow in everywhere: a later step after
+   an earlier fault moved the weights, a dump that starts mid-run), the earliest call whose output error is at
+   least ``amplification`` (10) times its input error.
+4. *inherited*: otherwise the earliest breaching call; its inputs already differ, so the error entered before
+   this dump.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from pytest_msprobe.compare.judge import fmt_number
+from pytest_msprobe.compare.records import OUTPUT, TENSOR
+from pytest_msprobe.compare.result import (
+    ENTERS,
+    ERROR,
+    GROWS,
+    INHERITED,
+    STRUCTURAL,
+    UNMATCHED,
+    ApiResult,
+    Divergence,
+    RowResult,
+)
+
+# an input whose error exceeds this fraction of its tolerance does not count as matching the baseline (the
+# warning level of the default dtype table): an output can only be where the error enters if its inputs are clean
+NEAR_FRACTION = 0.1
+
+
+def first_divergence(
+    apis: Sequence[ApiResult],
+    rows: Sequence[RowResult],
+    feeds: Mapping[int, Sequence[int]],
+    amplification: float,
+    opaque: Collection[int] = (),
+    peers: Mapping[int, Sequence[int]] | None = None,
+    structural: Mapping[int, int] | None = None,
+) -> Divergence | None:
+    """Where the error enters (see the module docstring). ``feeds[i]`` are the calls whose tensors call ``i``
+    also reads (a backward call's forward call; a parameters_grad's module backward); the inputs of the
+    calls in ``opaque`` are unknown, so the error cannot be shown to enter there. ``peers[i]`` are the same
+    collective as call ``i`` on the other ranks of its group: their inputs are inputs of call ``i`` too (an
+    all_reduce sums every rank's input), their outputs are not (they are the same result, and differ when
+    call ``i``'s does). ``structural[i]`` is the call only one side makes whose output call ``i`` reads."""
+    calls = _Calls(apis, rows, feeds, opaque, peers or {})
+    compared = sorted((api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED)
+    breaching = [i for _, i in compared if apis[i].output_breach]
+    found = _enters(calls, breaching)
+    if found is not None:
+        return found
+    fallback = _grows(calls, breaching, amplification)
+    if fallback is None:
+        fallback = _inherited(
+            calls, breaching or [i for _, i in compared if apis[i].status == ERROR], amplification
+        )
+        if fallback is None:
+            return None
+        if inputs_of_other_shapes(apis[fallback.api_index], rows):
+            return fallback  # another model or data, more than a call added or removed
+    return _structural(calls, structural or {}) or fallback
+
+
+def other_shape(row: RowResult) -> bool:
+    """Whether a row's two tensors have other shapes (never a matter of precision)."""
+    t, b = row.target, row.baseline
+    return t is not None and b is not None and t.kind == TENSOR and b.kind == TENSOR and t.shape != b.shape
+
+
+def inputs_of_other_shapes(api: ApiResult, rows: Sequence[RowResult]) -> list[int]:
+    """The breaching input rows of a call whose two tensors have other shapes (indices into ``rows``)."""
+    return [
+        j for j in api.rows if rows[j].role != OUTPUT and rows[j].status == ERROR and other_shape(rows[j])
+    ]
+
+
+@dataclass(frozen=True)
+class _Calls:
+    """The compared calls with what their inputs are made of."""
+
+    apis: Sequence[ApiResult]
+    rows: Sequence[RowResult]
+    feeds: Mapping[int, Sequence[int]]
+    opaque: Collection[int]
+    peers: Mapping[int, Sequence[int]]
+
+    def near(self, j: int) -> bool:
+        # within a tenth of its tolerance: a row this close to the line does not "match" the baseline
+        r = self.rows[j]
+        return r.error is not None and r.allowed is not None and r.error > r.allowed * NEAR_FRACTION
+
+    def effective_inputs(self, i: int) -> tuple[float | None, bool, bool]:
+        """(largest input error, whether an input breaches, whether an input is near or over its tolerance)."""
+        apis, rows, near = self.apis, self.rows, self.near
+        api = apis[i]
+        errors = [api.input_error] if api.input_error is not None else []
+        breach = api.input_breach or i in self.opaque
+        tainted = breach or any(near(j) for j in api.rows if rows[j].role != OUTPUT)
+        for j in self.feeds.get(i, ()):
+            other = apis[j]
+            if other.status == UNMATCHED:
+                continue
+            errors.extend(e for e in (other.input_error, other.output_error) if e is not None)
+            breach = breach or other.input_breach or other.output_breach
+            tainted = tainted or breach or any(near(k) for k in other.rows)
+        for j in self.peers.get(i, ()):
+            other = apis[j]
+            if other.status == UNMATCHED:
+                continue
+            if other.input_error is not None:
+                errors.append(other.input_error)
+            breach = breach or other.input_breach
+            tainted = tainted or breach or any(near(k) for k in other.rows if rows[k].role != OUTPUT)
+        return (max(errors) if errors else None), breach, tainted
+
+    def at(self, i: int, rule: str, why: str, row: int | None = None) -> Divergence:
+        """The divergence at call ``i``, pointing at ``row`` (by default its worst output row)."""
+        api = self.apis[i]
+        if row is None:
+            row = _worst_output_row(api, self.rows)
+        return Divergence(api.api, self.rows[row].row, api.step, api.rank, why, rule, i, row)
+
+
+def _enters(calls: _Calls, breaching: list[int]) -> Divergence | None:
+    apis, rows = calls.apis, calls.rows
+    for i in breaching:
+        _, _, in_tainted = calls.effective_inputs(i)
+        if in_tainted:
+            continue
+        api = apis[i]
+        row = _worst_output_row(api, rows)
+        group = {apis[j].rank for j in calls.peers.get(i, ())} | {api.rank}
+        ranks = sorted(r for r in group if r is not None)
+        inputs = f"its inputs on ranks {', '.join(map(str, ranks))}" if len(ranks) > 1 else "its inputs"
+        if rows[row].error is None:  # not a measured difference: the record itself cannot be compared
+            why = (
+                f"its output cannot be compared ({_suffix(api, rows, row)}: {rows[row].reason}) while {inputs} "
+                "match the baseline: the first row to fix is here"
+            )
+        else:
+            why = (
+                f"its output differs ({_suffix(api, rows, row)}: {rows[row].reason}) while {inputs} match "
+                f"the baseline: the error enters here"
+            )
+        return calls.at(i, ENTERS, why, row)
+    return None
+
+
+def _grows(calls: _Calls, breaching: list[int], amplification: float) -> Divergence | None:
+    for i in breaching:
+        in_err, _, _ = calls.effective_inputs(i)
+        out_err = calls.apis[i].output_error
+        # a ratio means something only for a finite input error: inputs that differ beyond measure (another
+        # shape, NaN/Inf on one side) cannot show the error growing
+        if not in_err or not math.isfinite(in_err) or out_err is None or out_err < amplification * in_err:
+            continue
+        if math.isfinite(out_err):
+            growth = (
+                f"the output error {fmt_number(out_err)} is {out_err / in_err:.0f}x the input error "
+                f"{fmt_number(in_err)}"
+            )
+        else:
+            growth = (
+                f"the output differs beyond measure (NaN/Inf on one side only, or another shape) while the input "
+                f"error is {fmt_number(in_err)}"
+            )
+        why = f"errors already flow into every call; here {growth}: the error grows here"
+        return calls.at(i, GROWS, why)
+    return None
+
+
+def _inherited(calls: _Calls, candidates: list[int], amplification: float) -> Divergence | None:
+    """The earliest of ``candidates`` (the breaching calls, else the failing ones), whose inputs already differ."""
+    if not candidates:
+        return None
+    apis, rows = calls.apis, calls.rows
+    i = candidates[0]
+    if not any(rows[j].role != OUTPUT and rows[j].status == ERROR for j in apis[i].rows):
+        # a collective whose own inputs match: the error came in with another rank's input to it
+        for j in sorted(calls.peers.get(i, ()), key=lambda j: apis[j].order):
+            if apis[j].input_breach:
+                i = j
+                break
+    api = apis[i]
+    in_rows = [j for j in api.rows if rows[j].role != OUTPUT and rows[j].status == ERROR]
+    if not in_rows:  # (its inputs are unknown)
+        return calls.at(
+            i, INHERITED, "its inputs cannot be compared, and no call's error is shown to enter later"
+        )
+    first_in = in_rows[0]
+    reshaped = inputs_of_other_shapes(api, rows)
+    if reshaped:  # a shape is not a matter of precision
+        first_in = reshaped[0]
+        why = (
+            f"its inputs have other shapes ({rows[first_in].row}: {rows[first_in].reason}): the two dumps may not "
+            "come from the same model or data (another architecture, other layer sizes, another batch), so no "
+            "call's error can be shown to enter or grow"
+        )
+    elif all(rows[j].error is not None and math.isinf(rows[j].error or 0.0) for j in in_rows):
+        why = (
+            f"its inputs differ beyond measure ({rows[first_in].row}: {rows[first_in].reason}): one run "
+            "overflowed before this dump (dump an earlier step), so no call's error can be shown to enter or grow"
+        )
+    else:
+        why = (
+            f"its inputs already differ ({rows[first_in].row}): the error entered before this dump (an earlier "
+            f"step, the weights or the data), and no later call's output error is {amplification:g}x its input "
+            "error"
+        )
+    # the row to look at is the input that already differs
+    return calls.at(i, INHERITED, why, first_in)
+
+
+def _structural(calls: _Calls, structural: Mapping[int, int]) -> Divergence | None:
+    """The one-side call that the calls reading its output follow, when the first error shows at or after
+    one of them (``structural``: call -> the one-side call it follows)."""
+    apis, rows = calls.apis, calls.rows
+    failing = [api for api in apis if api.status == ERROR]
+    if not failing or not structural:
+        return None
+    first = min(failing, key=lambda a: a.order)
+    before = [(apis[c].order, source) for c, source in structural.items() if apis[c].order <= first.order]
+    if not before:
+        return None
+    _, source = min(before)
+    api = apis[source]
+    out_rows = [j for j in api.rows if rows[j].role == OUTPUT] or list(api.rows)
+    side = "target" if rows[out_rows[0]].target is not None else "baseline"
+    why = (
+        f"{api.api} is a call only the {side} makes, and the numbers after it differ (first breach: {first.api}, "
+        f"{first.reason}): the error enters with this extra call"
+    )
+    return calls.at(source, STRUCTURAL, why, out_rows[0])
+
+
+def _worst_output_row(api: ApiResult, rows: Sequence[RowResult]) -> int:
+    candidates = [i for i in api.rows if rows[i].role == OUTPUT and rows[i].status == ERROR]
+    if not candidates:
+        candidates = [i for i in api.rows if rows[i].status == ERROR] or list(api.rows)
+    return max(candidates, key=lambda i: (rows[i].error or 0.0, -i))
+
+
+def _suffix(api: ApiResult, rows: Sequence[RowResult], i: int) -> str:
+    return rows[i].row[len(api.api) :] if rows[i].row.startswith(api.api) else rows[i].row

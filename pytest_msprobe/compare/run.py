@@ -1,0 +1,241 @@
+"""The compare: :func:`compare`, the library entry point the CLI and the pytest plugin call.
+
+Both dumps are found on disk, their dump pairs (step, rank) paired; each pair is compared whole (read,
+aligned, built into rows, its tensor files compared, its differences of structure forgiven), in worker
+processes when there are several; the pairs are then merged, the calls ordered across ranks, the coverage
+measured and the first divergence found.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pytest_msprobe.compare.align import align
+from pytest_msprobe.compare.build import Builder
+from pytest_msprobe.compare.divergence import first_divergence
+from pytest_msprobe.compare.explain import explain_in_place, explain_structural
+from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
+from pytest_msprobe.compare.records import read_dump, read_stack
+from pytest_msprobe.compare.result import (
+    UNMATCHED,
+    ApiResult,
+    CompareResult,
+    Coverage,
+    DumpPair,
+    PairCoverage,
+    RowResult,
+)
+from pytest_msprobe.compare.thresholds import Thresholds
+from pytest_msprobe.errors import ConfigError, DumpFormatError
+from pytest_msprobe.format.layout import DumpLocation, discover
+
+MODES = ("auto", "statistics", "tensor", "md5")
+
+
+def compare(
+    target: str | os.PathLike[str],
+    baseline: str | os.PathLike[str],
+    *,
+    thresholds: Thresholds | None = None,
+    fuzzy: bool = False,
+    mode: str = "auto",
+    jobs: int | None = None,
+    stack: bool = False,
+) -> CompareResult:
+    """Compare a target dump with a baseline dump.
+
+    ``target`` and ``baseline`` are a dump.json, a rank folder, a step folder or a dump root; all their steps
+    and ranks are compared, paired by step and rank. A step or rank that only one side has is reported and the
+    rest compared: one the baseline has and the target lacks fails the compare (the run under test did not do
+    all the baseline did: it stopped early, a rank died, its steps changed), one only the target has does not
+    (there is nothing to hold it to). ``mode`` is ``auto`` (tensor when both dumps hold tensors, md5 when both
+    hold CRCs, else statistics) or one of those. ``stack`` attaches every call's stack (for the xlsx); the
+    first divergence's stack is always attached.
+
+    ``jobs`` processes (default: the CPUs this process may use) compare the dump pairs (step, rank), each pair
+    whole in one process (parsing, alignment, statistics, tensor metrics); a single pair spreads its tensor
+    files over them instead. The result is the same whatever ``jobs``. Calls are ordered across ranks through
+    the collectives they share (see :mod:`pytest_msprobe.compare.rank_order`), so the first divergence is the
+    earliest over all ranks.
+
+    Unusable input (a broken or hostile file, an empty dump, no step and rank in common) raises
+    :class:`DumpFormatError` naming the file and the problem, before anything could be reported.
+
+        >>> result = compare("npu_dump", "gpu_dump")          # doctest: +SKIP
+        >>> result.passed, result.first_divergence.api         # doctest: +SKIP
+        (False, 'Functional.relu.2.forward')
+    """
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    jobs = default_jobs() if jobs is None else jobs
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ConfigError(f"jobs must be a whole number >= 1, got {jobs!r}")
+    thresholds = thresholds or Thresholds()
+    t_locs, b_locs = discover(target), discover(baseline)
+    refuse_self_compare(t_locs, b_locs, target, baseline)
+    pairs, unpaired, missing = _pair_locations(t_locs, b_locs, target, baseline)
+    builder = Builder(thresholds, mode)
+    tasks = [PairTask(t_loc, b_loc, thresholds, mode, fuzzy, 1) for t_loc, b_loc in pairs]
+    for part in compare_pairs(_compare_pair, tasks, jobs):
+        if isinstance(part, tuple):  # (path, problem): the first unusable input, in pair order
+            raise DumpFormatError(part[0], part[1])
+        builder.merge(part)
+    rows, apis, feeds, peers = builder.finish()
+    coverage = measure_coverage(rows, apis, builder.pairs, thresholds.max_unmatched)
+    divergence = first_divergence(
+        apis, rows, feeds, thresholds.amplification, builder.opaque, peers, builder.structural
+    )
+    stacks: dict[str, tuple[str, ...]] = {}
+    if stack:
+        for t_loc, _ in pairs:
+            for name, frames in read_stack(t_loc.path).items():
+                stacks.setdefault(name, tuple(frames))
+    elif divergence is not None:
+        found = read_stack(pairs[apis[divergence.api_index].pair][0].path).get(divergence.api)
+        if found:
+            stacks[divergence.api] = tuple(found)
+    return CompareResult(
+        target=os.fspath(target),
+        baseline=os.fspath(baseline),
+        mode=builder.mode or "statistics",
+        rows=tuple(rows),
+        apis=tuple(apis),
+        first_divergence=divergence,
+        pairs=tuple(builder.pairs),
+        unpaired=tuple(unpaired),
+        missing=tuple(missing),
+        thresholds=thresholds,
+        timestamp=datetime.datetime.now().strftime("%Y%m%d%H%M%S"),
+        coverage=coverage,
+        stacks=stacks,
+    )
+
+
+FIRST_UNMATCHED = 5  # unmatched baseline calls a coverage failure names
+
+
+def measure_coverage(
+    rows: Sequence[RowResult], apis: Sequence[ApiResult], pairs: Sequence[DumpPair], limit: float
+) -> Coverage:
+    """How much of each dump pair's baseline found a partner in the target, against ``limit`` (a share of
+    the pair's baseline rows). A call only the target makes counts nowhere: nothing in the baseline asked
+    for it. A paired call's baseline items that the target lacks (an output more on the baseline) count."""
+    calls = [0] * len(pairs)
+    calls_unmatched = [0] * len(pairs)
+    counted = [0] * len(pairs)
+    unmatched = [0] * len(pairs)
+    for api in apis:
+        if api.bench_api is None:  # only in the target
+            continue
+        p = api.pair
+        calls[p] += 1
+        if api.status == UNMATCHED:
+            calls_unmatched[p] += 1
+        for i in api.rows:
+            row = rows[i]
+            if row.baseline is not None:
+                counted[p] += 1
+                if row.target is None:
+                    unmatched[p] += 1
+    per_pair = tuple(
+        PairCoverage(pair.step, pair.rank, calls[p], calls_unmatched[p], counted[p], unmatched[p])
+        for p, pair in enumerate(pairs)
+    )
+    over = tuple(p for p, c in enumerate(per_pair) if c.share > limit)
+    chosen = set(over)
+    lonely = sorted(
+        (api.order, i)
+        for i, api in enumerate(apis)
+        if api.pair in chosen and api.status == UNMATCHED and api.bench_api is not None
+    )
+    return Coverage(limit, per_pair, over, tuple(i for _, i in lonely[:FIRST_UNMATCHED]))
+
+
+def refuse_self_compare(
+    t_locs: Sequence[DumpLocation], b_locs: Sequence[DumpLocation], target: Any, baseline: Any
+) -> None:
+    """Refuse a compare of a dump with itself (the same folder, a link to it, a folder inside it): it passes
+    whatever the dump holds, and proves nothing. Files are the same when the file system says so."""
+
+    def identity(path: Path) -> tuple[int, int] | None:
+        try:
+            info = os.stat(path)
+        except OSError:  # (reading it reports the problem)
+            return None
+        return info.st_dev, info.st_ino
+
+    in_baseline = {identity(loc.path) for loc in b_locs} - {None}
+    shared = [loc.path for loc in t_locs if identity(loc.path) in in_baseline]
+    if shared:
+        more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
+        raise ConfigError(
+            f"TARGET {os.fspath(target)} and BASELINE {os.fspath(baseline)} are the same dump (both read "
+            f"{shared[0]}{more}): comparing a dump with itself proves nothing; compare the run under test with "
+            "a baseline from another run"
+        )
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on (``os.cpu_count()`` where the platform cannot say)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _compare_pair(task: PairTask) -> Builder | Unusable:
+    """Everything of one dump pair that needs no other pair: a builder holding that pair alone, or the
+    (path, problem) of unusable input."""
+    try:
+        t_dump, b_dump = read_dump(task.target), read_dump(task.baseline)
+        builder = Builder(task.thresholds, task.mode)
+        builder.add(t_dump, b_dump, align(t_dump.entries, b_dump.entries, fuzzy=task.fuzzy))
+        builder.add_tensor_metrics(tensor_metrics_of(builder.tensor_files(), task.jobs))
+    except DumpFormatError as exc:
+        return (exc.path, exc.problem)
+    explain_in_place(builder)
+    explain_structural(builder)
+    return builder
+
+
+def _describe(loc: DumpLocation) -> str:
+    where = []
+    if loc.step is not None:
+        where.append(f"step {loc.step}")
+    if loc.rank is not None:
+        where.append(f"rank {loc.rank}")
+    return f"{', '.join(where) or 'dump'} ({loc.path})"
+
+
+def _pair_locations(
+    t_locs: list[DumpLocation], b_locs: list[DumpLocation], target: Any, baseline: Any
+) -> tuple[list[tuple[DumpLocation, DumpLocation]], list[str], list[str]]:
+    """Pairs of dumps by (step, rank), notes of the dumps one side only has, and those of them the target
+    lacks (which fail the compare)."""
+    if len(t_locs) == 1 and len(b_locs) == 1:
+        return [(t_locs[0], b_locs[0])], [], []
+    b_by_key = {(loc.step, loc.rank): loc for loc in b_locs}
+    t_keys = {(loc.step, loc.rank) for loc in t_locs}
+    pairs = [(loc, b_by_key[(loc.step, loc.rank)]) for loc in t_locs if (loc.step, loc.rank) in b_by_key]
+    missing = [
+        f"baseline {_describe(loc)}: not in the target"
+        for loc in b_locs
+        if (loc.step, loc.rank) not in t_keys
+    ]
+    unpaired = [
+        f"target {_describe(loc)}: no baseline" for loc in t_locs if (loc.step, loc.rank) not in b_by_key
+    ]
+    if not pairs:
+
+        def keys(locs: list[DumpLocation]) -> str:
+            return ", ".join(f"step {loc.step} rank {loc.rank}" for loc in locs)
+
+        raise DumpFormatError(
+            baseline,
+            f"no step/rank in common with {os.fspath(target)} (target: {keys(t_locs)}; baseline: {keys(b_locs)})",
+        )
+    return pairs, unpaired + missing, missing
