@@ -14,55 +14,48 @@ This is the path every recorded call takes: it makes no Python call beyond what 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from pytest_msprobe.dump.autograd import input_nodes
+from pytest_msprobe.dump.autograd import BackwardRecord, input_nodes
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.records import StepRecords, backward_parent
 from pytest_msprobe.dump.stack import capture_stack
 from pytest_msprobe.dump.stats import StatEngine
-from pytest_msprobe.dump.threads import claim_backward, slot
+from pytest_msprobe.dump.threads import slot
 from pytest_msprobe.dump.values import iter_tensors
 from pytest_msprobe.format.names import BACKWARD, FORWARD
 
 _Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
-_get_ident = threading.get_ident
 
 
-class _ApiBackward:
-    """Backward record of one API call, filled by hooks on the autograd nodes of its outputs."""
+class _ApiBackward(BackwardRecord):
+    """Backward record of one API call: the gradients of its output nodes, in and out, node after node."""
 
-    __slots__ = ("dump_in", "dump_out", "name", "parent", "parts", "recorder", "want")
+    __slots__ = ()
 
-    def __init__(self, recorder: ApiCalls, name: str, parent: str | None, n_nodes: int) -> None:
-        self.recorder = recorder
-        self.name = name
-        self.parent = parent
-        self.want = n_nodes
-        self.parts: list[tuple[tuple[Any, ...], tuple[Any, ...]] | None] = [None] * n_nodes
-
-    def hook(self, index: int) -> Callable[[Any, Any], None]:
-        def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
-            recorder = self.recorder
-            if recorder.closed:
-                return
-            if _get_ident() != recorder.owner:
-                claim_backward(recorder)
-            try:
-                self.parts[index] = (tuple(grad_outputs), tuple(grad_inputs))
-                self.want -= 1
-                if self.want == 0:
-                    recorder.emit_api_backward(self)
-            except BaseException as exc:
-                recorder.interrupted(exc)
-                raise
-
-        return on_node
+    def emit(self) -> None:
+        recorder = self.recorder
+        if self.name in recorder.data:
+            return
+        tls = slot
+        prev = tls.active
+        try:
+            tls.active = None
+            grads_in: list[Any] = []
+            grads_out: list[Any] = []
+            for part in self.parts:
+                if part is not None:
+                    grads_in.extend(part[0])
+                    grads_out.extend(part[1])
+            # let the gradients go: kept alive, they would stop the engine from reusing their memory
+            self.parts = [None] * len(self.parts)
+            recorder._write_backward(self.name, self.parent, grads_in, grads_out)
+        finally:
+            tls.active = prev
 
 
 class ApiCalls(StepRecords):
@@ -154,28 +147,9 @@ class ApiCalls(StepRecords):
         if len(nodes) > 1:
             self._api_pending.append(record)
 
-    def emit_api_backward(self, record: _ApiBackward) -> None:
-        if record.name in self.data:
-            return
-        tls = slot
-        prev = tls.active
-        try:
-            tls.active = None
-            grads_in: list[Any] = []
-            grads_out: list[Any] = []
-            for part in record.parts:
-                if part is not None:
-                    grads_in.extend(part[0])
-                    grads_out.extend(part[1])
-            # let the gradients go: kept alive, they would stop the engine from reusing their memory
-            record.parts = [None] * len(record.parts)
-            self._write_backward(record.name, record.parent, grads_in, grads_out)
-        finally:
-            tls.active = prev
-
     def _finish_api_backward(self) -> None:
         """Write the backward records some of whose nodes fired (the others never will in this step)."""
         for api_record in self._api_pending:
             if api_record.name not in self.data and any(p is not None for p in api_record.parts):
-                self.emit_api_backward(api_record)
+                api_record.emit()
         self._api_pending.clear()

@@ -1,22 +1,26 @@
-"""What the capture reads from torch's autograd graph: the nodes a call's inputs had, the nodes of a module call
-that consume its inputs, and the end of a backward pass.
+"""The capture and torch's autograd graph: backward records filled by hooks on its nodes, what is read from the
+graph to place them, and the end of a backward pass.
 
-A backward record is filled by hooks on autograd nodes (``node.register_hook``): an API call's on the nodes of its
-outputs, a module call's on those and on its own nodes that take a gradient edge to one of its inputs, found by
-walking the graph created during the call (:func:`find_consumers`). Parameter gradients are recorded when the
-backward pass ends, from a final callback of the engine (:func:`queue_callback`).
+A backward record (:class:`BackwardRecord`) is filled by hooks on autograd nodes (``node.register_hook``): an API
+call's on the nodes of its outputs, a module call's on those and on its own nodes that take a gradient edge to one
+of its inputs, found by walking the graph created during the call (:func:`find_consumers`). Parameter gradients
+are recorded when the backward pass ends, from a final callback of the engine (:func:`queue_callback`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from pytest_msprobe.dump.records import StepRecords
+from pytest_msprobe.dump.threads import claim_backward
 from pytest_msprobe.dump.values import iter_tensors
 
 _Tensor = torch.Tensor
+_get_ident = threading.get_ident
 _AccumulateGrad: Any = torch._C._functions.AccumulateGrad
 get_sequence_nr: Callable[[], int] = getattr(torch._C._autograd, "_get_sequence_nr", lambda: 0)
 
@@ -24,6 +28,49 @@ get_sequence_nr: Callable[[], int] = getattr(torch._C._autograd, "_get_sequence_
 def queue_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current backward pass ends (raises outside of one)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+class BackwardRecord:
+    """The backward record of one call, filled by hooks on autograd nodes, written by :meth:`emit` once the last
+    of them has fired (at the end of the capture, for a record some of whose nodes never fire)."""
+
+    __slots__ = ("name", "parent", "parts", "recorder", "want")
+
+    def __init__(self, recorder: StepRecords, name: str, parent: str | None, n_nodes: int) -> None:
+        self.recorder = recorder
+        self.name = name
+        self.parent = parent
+        self.want = n_nodes  # node hooks still to fire
+        # per node, what it gave: (grad_outputs, grad_inputs), where no ``take`` picks from them
+        self.parts: list[tuple[tuple[Any, ...], tuple[Any, ...]] | None] = [None] * n_nodes
+
+    def hook(self, index: int, take: Callable[[Any, Any], None] | None = None) -> Callable[[Any, Any], None]:
+        """The hook of node ``index``: its gradients go to ``parts[index]``, or to ``take``, which picks some."""
+
+        # one hook for every record: an API call's keeps all of a node's gradients without calling out (it runs
+        # for every captured call), a module call's picks those of its outputs and inputs
+        def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
+            recorder = self.recorder
+            if recorder.closed:
+                return
+            if _get_ident() != recorder.owner:
+                claim_backward(recorder)
+            try:
+                if take is None:
+                    self.parts[index] = (tuple(grad_outputs), tuple(grad_inputs))
+                else:
+                    take(grad_inputs, grad_outputs)
+                self.want -= 1
+                if self.want == 0:
+                    self.emit()
+            except BaseException as exc:
+                recorder.interrupted(exc)
+                raise
+
+        return on_node
+
+    def emit(self) -> None:  # pragma: no cover - each kind of record writes itself
+        raise NotImplementedError
 
 
 def input_nodes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

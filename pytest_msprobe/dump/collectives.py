@@ -43,7 +43,7 @@ from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.records import StepRecords
 from pytest_msprobe.dump.stack import capture_stack
 from pytest_msprobe.dump.stats import StatEngine
-from pytest_msprobe.dump.threads import slot
+from pytest_msprobe.dump.threads import quiet, slot
 from pytest_msprobe.dump.values import iter_tensors
 from pytest_msprobe.format.names import FORWARD
 
@@ -158,20 +158,13 @@ class Collectives(StepRecords):
         entry = self.data.get(pending.name)
         if entry is None:
             return
-        tls = slot
-        prev_active = tls.active
-        prev = _is_grad_enabled()
         try:
-            tls.active = None
-            _set_grad_enabled(False)
-            self.engine.forget(collective_tensors(pending.args, pending.kwargs))
-            entry["output"] = self._collective_output(pending.name, pending.args, pending.kwargs)
+            with quiet(), torch.no_grad():  # once per waited collective: no need to inline these
+                self.engine.forget(collective_tensors(pending.args, pending.kwargs))
+                entry["output"] = self._collective_output(pending.name, pending.args, pending.kwargs)
         except BaseException as exc:
             self.interrupted(exc)
             raise
-        finally:
-            _set_grad_enabled(prev)
-            tls.active = prev_active
 
     def _collective_output(self, fwd: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """msprobe's ``output`` of a collective: its arguments after the call, positional then keyword values."""

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from pytest_msprobe.dump.autograd import find_consumers, get_sequence_nr, queue_callback
+from pytest_msprobe.dump.autograd import BackwardRecord, find_consumers, get_sequence_nr, queue_callback
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.records import ModuleCall, StepRecords, backward_parent
 from pytest_msprobe.dump.stack import capture_stack
 from pytest_msprobe.dump.stats import StatEngine
-from pytest_msprobe.dump.threads import claim_backward, slot
+from pytest_msprobe.dump.threads import slot
 from pytest_msprobe.format.names import BACKWARD, FORWARD, backward_of, module_base, params_grad_name
 
 _Tensor = torch.Tensor
@@ -36,22 +36,19 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _get_ident = threading.get_ident
 
 
-class _ModuleBackward:
+class _ModuleBackward(BackwardRecord):
     """Backward record of one module call: gradients of its outputs in, per-call gradients of its inputs out."""
 
-    __slots__ = ("done", "grads_in", "grads_out", "name", "parent", "pending", "recorder")
+    __slots__ = ("done", "grads_in", "grads_out")
 
     def __init__(
-        self, recorder: ModuleHooks, name: str, parent: str | None, n_outputs: int, n_inputs: int
+        self, recorder: StepRecords, name: str, parent: str | None, n_outputs: int, n_inputs: int
     ) -> None:
-        self.recorder = recorder
-        self.name = name
-        self.parent = parent
+        super().__init__(recorder, name, parent, 0)  # ``want`` is set once the nodes are known
         self.grads_in: list[Any] = [None] * n_outputs  # gradients w.r.t. the module's outputs
         # contributions to the gradient of each positional input (inputs needing none stay null); no input
         # needing a gradient gives an empty list, as msprobe writes
         self.grads_out: list[list[Any]] = [[] for _ in range(n_inputs)]
-        self.pending = 0  # node hooks still to fire
         self.done = False
 
     def output_hook(self, slots: list[tuple[int, int]]) -> Callable[[Any, Any], None]:
@@ -59,7 +56,7 @@ class _ModuleBackward:
             for position, output_nr in slots:
                 self.grads_in[position] = grad_outputs[output_nr]
 
-        return self._node_hook(take)
+        return self.hook(0, take)
 
     def consumer_hook(self, slots: list[tuple[int, int]]) -> Callable[[Any, Any], None]:
         def take(grad_inputs: Any, grad_outputs: Any) -> None:
@@ -68,30 +65,34 @@ class _ModuleBackward:
                 if grad is not None:
                     self.grads_out[position].append(grad)
 
-        return self._node_hook(take)
+        return self.hook(0, take)
 
-    def _node_hook(self, take: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-        """An autograd node hook that hands the node's gradients to ``take``, then counts the node as arrived."""
-
-        def on_node(grad_inputs: Any, grad_outputs: Any) -> None:
-            recorder = self.recorder
-            if recorder.closed:
-                return
-            if _get_ident() != recorder.owner:
-                claim_backward(recorder)
-            try:
-                take(grad_inputs, grad_outputs)
-                self._arrived()
-            except BaseException as exc:
-                recorder.interrupted(exc)
-                raise
-
-        return on_node
-
-    def _arrived(self) -> None:
-        self.pending -= 1
-        if self.pending == 0 and not self.done:
-            self.recorder.emit_module_backward(self)
+    def emit(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        tls = slot
+        prev_active = tls.active
+        prev = _is_grad_enabled()
+        try:
+            tls.active = None
+            _set_grad_enabled(False)
+            grads_out: list[Any] = []
+            for contributions in self.grads_out:
+                if not contributions:
+                    grads_out.append(None)
+                    continue
+                total = contributions[0]
+                for more in contributions[1:]:
+                    total = _add(total, more)
+                grads_out.append(total)
+            grads_in = self.grads_in
+            self.grads_in = []  # let the gradients go once recorded
+            self.grads_out = []
+            self.recorder._write_backward(self.name, self.parent, grads_in, grads_out)
+        finally:
+            _set_grad_enabled(prev)
+            tls.active = prev_active
 
 
 class _ParamsHook:
@@ -231,9 +232,9 @@ class ModuleHooks(StepRecords):
                     # reserved here, in declaration order, and filled when the gradients are accumulated
                     self.data[pg] = dict.fromkeys(n for n, _ in params)
                     self._params_grad_ok[pg] = True
+            self.select.leave(fwd)  # the forward record is whole: a scope range may close after it
             if call.wanted_bwd:
                 self._hook_module_backward(call, output, len(args))
-            self.select.leave(fwd)
         except BaseException as exc:
             self.interrupted(exc)
             raise
@@ -262,39 +263,12 @@ class ModuleHooks(StepRecords):
             n_args if call.input_keys else 0,
         )
         consumers = find_consumers([n for n, _ in out_nodes.values()], call.input_keys, call.seq)
-        record.pending = len(out_nodes) + len(consumers)
+        record.want = len(out_nodes) + len(consumers)
         for node, slots in out_nodes.values():
             self._handles.append(node.register_hook(record.output_hook(slots)))
         for node, slots in consumers:
             self._handles.append(node.register_hook(record.consumer_hook(slots)))
         self._module_pending.append(record)
-
-    def emit_module_backward(self, record: _ModuleBackward) -> None:
-        if record.done:
-            return
-        record.done = True
-        tls = slot
-        prev_active = tls.active
-        prev = _is_grad_enabled()
-        try:
-            tls.active = None
-            _set_grad_enabled(False)
-            grads_out: list[Any] = []
-            for contributions in record.grads_out:
-                if not contributions:
-                    grads_out.append(None)
-                    continue
-                total = contributions[0]
-                for more in contributions[1:]:
-                    total = _add(total, more)
-                grads_out.append(total)
-            grads_in = record.grads_in
-            record.grads_in = []  # let the gradients go once recorded
-            record.grads_out = []
-            self._write_backward(record.name, record.parent, grads_in, grads_out)
-        finally:
-            _set_grad_enabled(prev)
-            tls.active = prev_active
 
     def grad_accumulated(self, pg: str, pname: str, param: torch.Tensor) -> None:
         """A parameter's gradient was accumulated: record it when the backward pass ends."""
@@ -356,7 +330,7 @@ class ModuleHooks(StepRecords):
         for module_record in self._module_pending:
             arrived = any(g is not None for g in module_record.grads_in) or any(module_record.grads_out)
             if not module_record.done and arrived:
-                self.emit_module_backward(module_record)
+                module_record.emit()
         self._module_pending.clear()
         for key in self._params_grad_ok:
             entry = self.data.get(key)
