@@ -9,7 +9,8 @@ and its ``grad_inputs`` the record's ``backward.output`` (``null`` where undefin
 An output whose node is one an input already had before the call (``x.float()`` on a float tensor,
 ``contiguous()`` returning ``self``) gets no backward record: that node belongs to an earlier call.
 
-This is the path every recorded call takes: it makes no Python call beyond what the record needs.
+``api_call`` runs for every captured call, so it is written for speed: it makes no Python call beyond those its
+record needs.
 """
 
 from __future__ import annotations
