@@ -23,6 +23,7 @@ import torch
 
 from pytest_msprobe.dump.autograd import BackwardRecord, find_consumers, get_sequence_nr, queue_callback
 from pytest_msprobe.dump.config import DumpConfig
+from pytest_msprobe.dump.ops import add as _add
 from pytest_msprobe.dump.records import ModuleCall, StepRecords, backward_parent
 from pytest_msprobe.dump.stack import capture_stack
 from pytest_msprobe.dump.stats import StatEngine
@@ -30,7 +31,6 @@ from pytest_msprobe.dump.threads import slot
 from pytest_msprobe.format.names import BACKWARD, FORWARD, backward_of, module_base, params_grad_name
 
 _Tensor = torch.Tensor
-_add = torch._C._VariableFunctions.add
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _get_ident = threading.get_ident

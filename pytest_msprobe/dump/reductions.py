@@ -21,21 +21,18 @@ from typing import Any
 
 import torch
 
-_VF: Any = torch._C._VariableFunctions
-_TB: Any = torch._C.TensorBase
-# the C functions themselves: the dump's own computations must not go through the API wrappers
-_aminmax = _VF.aminmax
-_amax = _VF.amax
-_amin = _VF.amin
-_sum = _VF.sum
-_abs = _VF.abs
-_stack = _VF.stack
-_cat = _VF.cat
-_split = _TB.split
-_narrow = _VF.narrow
-_vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]
-_to = _TB.to
-_reshape = _TB.reshape
+from pytest_msprobe.dump.ops import abs as _abs
+from pytest_msprobe.dump.ops import amax as _amax
+from pytest_msprobe.dump.ops import amin as _amin
+from pytest_msprobe.dump.ops import aminmax as _aminmax
+from pytest_msprobe.dump.ops import cat as _cat
+from pytest_msprobe.dump.ops import narrow as _narrow
+from pytest_msprobe.dump.ops import reshape as _reshape
+from pytest_msprobe.dump.ops import split as _split
+from pytest_msprobe.dump.ops import stack as _stack
+from pytest_msprobe.dump.ops import sum as _sum
+from pytest_msprobe.dump.ops import to as _to
+from pytest_msprobe.dump.ops import vector_norm as _vector_norm
 
 _F32 = torch.float32
 _F64 = torch.float64

@@ -32,6 +32,19 @@ from typing import Any
 
 import torch
 
+from pytest_msprobe.dump.ops import aminmax as _aminmax
+from pytest_msprobe.dump.ops import as_tensor as _as_tensor
+from pytest_msprobe.dump.ops import cat as _cat
+from pytest_msprobe.dump.ops import clone as _clone
+from pytest_msprobe.dump.ops import contiguous as _contiguous
+from pytest_msprobe.dump.ops import detach as _detach
+from pytest_msprobe.dump.ops import div as _div
+from pytest_msprobe.dump.ops import narrow as _narrow
+from pytest_msprobe.dump.ops import reshape as _reshape
+from pytest_msprobe.dump.ops import stack as _stack
+from pytest_msprobe.dump.ops import unbind as _unbind
+from pytest_msprobe.dump.ops import view as _view_dtype
+from pytest_msprobe.dump.ops import zeros as _zeros
 from pytest_msprobe.dump.reductions import (
     K_BOOL,
     K_COMPLEX,
@@ -45,22 +58,6 @@ from pytest_msprobe.dump.reductions import (
     numeric,
     numeric_rows,
 )
-
-_VF: Any = torch._C._VariableFunctions
-_TB: Any = torch._C.TensorBase
-# the C functions themselves: the dump's own computations must not go through the API wrappers
-_aminmax = _VF.aminmax
-_as_tensor = _VF.as_tensor
-_clone = _VF.clone
-_stack = _VF.stack
-_cat = _VF.cat
-_narrow = _VF.narrow
-_unbind = _VF.unbind
-_div = _VF.div
-_detach = _TB.detach
-_contiguous = _TB.contiguous
-_reshape = _TB.reshape
-_view_dtype = _TB.view
 
 _weakref = weakref.ref
 _Tensor = torch.Tensor
@@ -347,7 +344,7 @@ class StatEngine:
             coo = data.layout is torch.sparse_coo
             values = _reshape(data.coalesce()._values() if coo else data.values(), (-1,))
             if values.numel() < t.numel():
-                values = _cat((values, _VF.zeros(1, dtype=values.dtype, device=values.device)))
+                values = _cat((values, _zeros(1, dtype=values.dtype, device=values.device)))
         except Exception:  # a layout or device without these operators: no statistics
             return None
         return self._compute(values, count=t.numel())
