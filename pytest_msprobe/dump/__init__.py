@@ -10,7 +10,7 @@
   gradients), :mod:`.collectives` (torch.distributed) and :mod:`.optimizer_hooks` (mix); :mod:`.autograd`: the
   backward records filled by hooks on autograd nodes, and what is read from the graph;
 - :mod:`.values`: arguments and outputs as msprobe writes them; :mod:`.stats` and :mod:`.reductions`: tensor
-  statistics on the device, batched into one transfer per step;
+  statistics on the device, batched into one transfer per step; :mod:`.ops`: the torch functions they call;
 - :mod:`.stack`, :mod:`.writer`, :mod:`.signals`: call stacks, the files, sections a signal must not cut.
 
 Names and file layout are msprobe's, from :mod:`pytest_msprobe.format`. This package imports torch;

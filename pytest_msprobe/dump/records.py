@@ -1,9 +1,10 @@
 """The records of one step and their bookkeeping: the base every part of the recorder writes through.
 
 ``data`` (dump.json's entries), ``construct`` (each record's parent node), ``stacks`` (stack.json), the call
-counter that numbers the records, the filters, and the recorder's state: the thread that owns it, ``closed``
-(every hook and wrapper reaching it returns without touching it) and ``broken`` (an interruption cut through a
-record: the step is dropped, see :mod:`.recorder`).
+counter that numbers the records, the filters, the module stack (the module calls running, which give a record
+made now its parent), and the recorder's state: the thread that owns it, ``closed`` (every hook and wrapper
+reaching it returns without touching it) and ``broken`` (an interruption cut through a record: the step is
+dropped, see :mod:`.recorder`).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - torch built without distributed suppor
     _AVAILABLE = False
 _ProcessGroup: Any = _dist.ProcessGroup if _AVAILABLE else None
 _ReduceOp: Any = _dist.ReduceOp if _AVAILABLE else None
-P2POp: Any = _dist.P2POp if _AVAILABLE else None
+_P2POp: Any = _dist.P2POp if _AVAILABLE else None
 _Tensor = torch.Tensor
 _set_grad_enabled = torch._C._set_grad_enabled
 
@@ -85,7 +85,7 @@ class Values:
                 k: self.analyze(v, None if name is None else f"{name}.{k}", remember)
                 for k, v in value.items()
             }
-        if P2POp is not None and isinstance(value, P2POp):
+        if _P2POp is not None and isinstance(value, _P2POp):
             return {
                 "class_type": "torch.distributed.P2POp",
                 "tensor": self.analyze(value.tensor, name, remember),
@@ -142,7 +142,7 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from iter_tensors(item)
-    elif P2POp is not None and isinstance(value, P2POp):
+    elif _P2POp is not None and isinstance(value, _P2POp):
         yield from iter_tensors(value.tensor)
 
 
