@@ -23,7 +23,7 @@ reference dumps) and width 32 (32x3x32x32), and torchvision's ``resnet50(weights
 thread keeps the plain and dumped steps comparable).
 
 ``--calls`` times one API wrapper instead, in nanoseconds per call (best of several rounds): the wrapper's own
-cost where nothing is recorded (a debugger started, the call made inside ``intercept.quiet()``: a wrapper of
+cost where nothing is recorded (a debugger started, the call made inside ``threads.quiet()``: a wrapper of
 ``len`` against ``len``), a plain ``torch.add`` of two 4-element tensors, and the same call recorded (task
 statistics, L1, the statistics of its three tensors included).
 """
@@ -215,7 +215,7 @@ def _best_ns_per_call(fn: Callable[[], None], calls: int, rounds: int) -> float:
 
 def time_calls(workdir: Path, calls: int = 20000, rounds: int = 15) -> dict[str, float]:
     """Nanoseconds per call: a wrapper's own cost when it records nothing, and a recorded ``torch.add``."""
-    from pytest_msprobe.dump import intercept
+    from pytest_msprobe.dump import intercept, threads
 
     a, b = torch.ones(4), torch.ones(4)
     items = (1, 2, 3)
@@ -230,7 +230,7 @@ def time_calls(workdir: Path, calls: int = 20000, rounds: int = 15) -> dict[str,
     out: dict[str, float] = {}
     debugger = PrecisionDebugger(dump_path=workdir / "calls", task="statistics", level="L1")
     debugger.start()
-    with intercept.quiet():  # wrappers installed, this thread records nothing
+    with threads.quiet():  # wrappers installed, this thread records nothing
         bare_ns = through_ns = float("inf")
         for _ in range(rounds):  # alternated, best of each: the machine's other load shows in neither
             bare_ns = min(bare_ns, _best_ns_per_call(bare, calls, 1))

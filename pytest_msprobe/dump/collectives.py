@@ -1,5 +1,6 @@
 """torch.distributed in the dump: what a collective's record holds, and when it is taken.
 
+The wrappers of ``torch.distributed`` (:mod:`.intercept`) hand each call to :meth:`Collectives.dist_call`.
 A collective is recorded as ``Distributed.<name>.<n>.forward`` (``Distributed.all_reduce.0.forward``):
 
 - ``input_args`` / ``input_kwargs``: the arguments as passed, recorded before the call;
@@ -15,7 +16,7 @@ the program's place: a work that is not waited for before ``stop()`` (its future
 record with its inputs only.
 
 Process groups, reduce operations and ``P2POp`` objects are written as msprobe writes them (see
-:mod:`.analyze`). Collectives write into tensors without advancing their version counter, so the statistics cache
+:mod:`.values`). Collectives write into tensors without advancing their version counter, so the statistics cache
 forgets every tensor a collective touched.
 
 The collectives with autograd of ``torch.distributed.nn.functional`` are recorded under the same
@@ -26,30 +27,34 @@ as a forward call made during the backward pass, as any API called there is.
 What is not seen: collectives issued from C++ never pass through these wrappers. That covers every gradient
 all-reduce of ``DistributedDataParallel`` (its reducer buckets the gradients and all-reduces them itself), its
 buffer broadcast, and the ``torch.distributed._functional_collectives`` used by compiled code and DTensor. What DDP
-did shows in the parameter gradients, which are recorded after the reduction (see :mod:`.capture`). Nothing here
+did shows in the parameter gradients, which are recorded after the reduction (see :mod:`.module_hooks`). Nothing here
 depends on the backend: gloo, nccl and hccl take the same path (with nccl and hccl a work's ``wait()`` orders the
 device stream and the statistics are queued after it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from pytest_msprobe.dump.analyze import group_id, group_ranks
+from pytest_msprobe.dump.config import DumpConfig
+from pytest_msprobe.dump.records import StepRecords
+from pytest_msprobe.dump.stack import capture_stack
+from pytest_msprobe.dump.stats import StatEngine
+from pytest_msprobe.dump.threads import quiet, slot
+from pytest_msprobe.dump.values import iter_tensors
+from pytest_msprobe.format.names import FORWARD
 
 try:
     import torch.distributed as _dist
 
-    _AVAILABLE = _dist.is_available()
+    _Work: Any = _dist.Work if _dist.is_available() else None
 except ImportError:  # pragma: no cover - torch built without distributed support
-    _AVAILABLE = False
-
-_Work: Any = _dist.Work if _AVAILABLE else None
-P2POp: Any = _dist.P2POp if _AVAILABLE else None
-_Tensor = torch.Tensor
+    _Work = None
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 def works_of(result: Any) -> list[Any]:
@@ -71,33 +76,6 @@ def collective_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterato
         yield from iter_tensors(value)
 
 
-def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value``: itself, or within its lists, tuples, dicts and ``P2POp`` objects."""
-    if isinstance(value, _Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from iter_tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from iter_tensors(item)
-    elif P2POp is not None and isinstance(value, P2POp):
-        yield from iter_tensors(value.tensor)
-
-
-def p2p_fields(op: Any) -> dict[str, Any]:
-    """The fields of a ``P2POp`` other than its tensor, as msprobe writes them."""
-    fields: dict[str, Any] = {
-        "op": getattr(op.op, "__name__", str(op.op)),
-        "peer": op.peer,
-        "tag": op.tag,
-    }
-    ranks = group_ranks(op.group)
-    if ranks is not None:
-        fields["group_id"] = group_id(ranks)
-    return fields
-
-
 class PendingCollective:
     """An asynchronous collective's record, waiting for its work objects."""
 
@@ -109,3 +87,95 @@ class PendingCollective:
         self.kwargs = kwargs
         self.works = works  # held, so that their ids stay theirs while they are looked up by id
         self.left = len(works)
+
+
+class Collectives(StepRecords):
+    """The recorder's part that records the calls of torch.distributed."""
+
+    def __init__(self, config: DumpConfig, engine: StatEngine) -> None:
+        super().__init__(config, engine)
+        # asynchronous collectives waiting for their work objects, by id of the work
+        self.dist_pending: dict[int, PendingCollective] = {}
+
+    def dist_call(
+        self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Record a collective or point-to-point call, as this module's docstring tells."""
+        if self.closed:
+            return orig(*args, **kwargs)
+        tls = slot
+        prev = tls.active
+        try:
+            tls.active = None
+            fwd = f"{api}.{self.counter.next(api)}.{FORWARD}"
+            select = self.select
+            wanted = select.forward
+            if self.filtered:
+                wanted = select.enter(fwd) and wanted and select.listed(fwd)
+            if not wanted:
+                out = orig(*args, **kwargs)
+                self.engine.forget(collective_tensors(args, kwargs))
+                if self.filtered:
+                    select.leave(fwd)
+                return out
+            parent = self._parent() if self.with_api_parents else None
+            entry: dict[str, Any] = {}
+            if select.fwd_in:
+                inputs = self.analyze_inputs(fwd, args, kwargs, _is_grad_enabled())
+                entry["input_args"], entry["input_kwargs"] = inputs
+            stack = capture_stack(2)
+            out = orig(*args, **kwargs)
+            self.data[fwd] = entry
+            self.stacks.add(fwd, stack)
+            if self.with_api_parents:
+                self.construct[fwd] = parent
+            self.engine.forget(collective_tensors(args, kwargs))
+            if select.fwd_out:
+                works = works_of(out)
+                if works:
+                    pending = PendingCollective(fwd, args, kwargs, works)
+                    for work in works:
+                        self.dist_pending[id(work)] = pending
+                else:
+                    entry["output"] = self._collective_output(fwd, args, kwargs)
+            if self.filtered:
+                select.leave(fwd)
+            return out
+        except BaseException as exc:
+            self.interrupted(exc)
+            raise
+        finally:
+            tls.active = prev
+
+    def work_waited(self, work: Any) -> None:
+        """A work object was waited for: complete the record of its collective once all of its works are done."""
+        pending = self.dist_pending.pop(id(work), None)
+        if pending is None or self.closed:
+            return
+        pending.left -= 1
+        if pending.left:
+            return
+        entry = self.data.get(pending.name)
+        if entry is None:
+            return
+        try:
+            with quiet(), torch.no_grad():  # once per waited collective: no need to inline these
+                self.engine.forget(collective_tensors(pending.args, pending.kwargs))
+                entry["output"] = self._collective_output(pending.name, pending.args, pending.kwargs)
+        except BaseException as exc:
+            self.interrupted(exc)
+            raise
+
+    def _collective_output(self, fwd: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """msprobe's ``output`` of a collective: its arguments after the call, positional then keyword values."""
+        values = [*args, *kwargs.values()]
+        grad = _is_grad_enabled()
+        try:
+            if grad:
+                _set_grad_enabled(False)
+            if not self.names:
+                return [self.analyze(v, None, False) for v in values]
+            return [self.analyze(v, f"{fwd}.output.{i}", False) for i, v in enumerate(values)]
+        finally:
+            if grad:
+                _set_grad_enabled(True)

@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from pytest_msprobe.dump import intercept
-from pytest_msprobe.dump.capture import Recorder
+from pytest_msprobe.dump import threads
 from pytest_msprobe.dump.config import DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
+from pytest_msprobe.dump.recorder import Recorder
 from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.dump.signals import heal as heal_signal_handlers
 from pytest_msprobe.dump.stats import StatEngine
@@ -113,7 +113,7 @@ class PrecisionDebugger:
         self._recorder: Recorder | None = None
         self._engine: StatEngine | None = None
         self._writer: TensorWriter | None = None
-        self._files = BackgroundJobs(on_thread_start=intercept.silence_this_thread)
+        self._files = BackgroundJobs(on_thread_start=threads.silence_this_thread)
         limit = self.config.max_dump_size
         self._budget = SizeBudget(limit) if limit is not None else None
         self._size_reported = False
@@ -167,7 +167,7 @@ class PrecisionDebugger:
                 recorder.attach_optimizer_hooks()
             if config.apis:
                 self._patcher.install()
-                intercept.activate(recorder)
+                threads.activate(recorder)
 
     def stop(self) -> None:
         """Stop capturing, remove every wrapper and hook, and write the step's files (rewritten if resumed)."""
@@ -279,7 +279,7 @@ class PrecisionDebugger:
         if recorder is not None:
             recorder.closed = True
             if self._owner == threading.get_ident():
-                intercept.deactivate(recorder)
+                threads.deactivate(recorder)
         self._patcher.uninstall()
         if recorder is not None:
             recorder.detach(sweep=recorder.broken)
@@ -313,12 +313,12 @@ class PrecisionDebugger:
         if config.save_tensors:
             writer = self._tensor_writer()
             sink = writer.submit
-        engine = StatEngine(md5=config.md5, tensor_sink=sink, worker_init=intercept.silence_this_thread)
+        engine = StatEngine(md5=config.md5, tensor_sink=sink, worker_init=threads.silence_this_thread)
         recorder = Recorder(config, engine)
         self._writer, self._engine, self._recorder = writer, engine, recorder
 
     def _tensor_writer(self) -> TensorWriter:
-        return TensorWriter(self.step_path() / TENSOR_DIR, quiet=intercept.quiet, budget=self._budget)
+        return TensorWriter(self.step_path() / TENSOR_DIR, quiet=threads.quiet, budget=self._budget)
 
     def _resume_writer(self) -> None:
         """A new writer for a step captured again after its stop() (the first one's files were handed over)."""

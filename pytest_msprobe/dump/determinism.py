@@ -20,6 +20,15 @@ from typing import Any
 from pytest_msprobe.errors import ConfigError
 
 _MAX_SEED = 2**32 - 1
+# what mode=True sets on Ascend NPU
+_NPU_DETERMINISTIC_ENV = {
+    "HCCL_DETERMINISTIC": "True",
+    "LCCL_DETERMINISTIC": "1",
+    "CLOSE_MATMUL_K_SHIFT": "1",
+    "ATB_LLM_LCOC_ENABLE": "0",
+}
+# every environment variable seed_all may set (a caller that must leave the environment as it found it saves these)
+SEED_ENV: tuple[str, ...] = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", *_NPU_DETERMINISTIC_ENV)
 _DROPOUT_FUNCTIONS = (
     "dropout",
     "dropout1d",
@@ -65,14 +74,7 @@ def seed_all(seed: int = 1234, mode: bool = False, rm_dropout: bool = False) -> 
     if npu is not None:
         npu.manual_seed_all(seed)
         if mode:
-            os.environ.update(
-                {
-                    "HCCL_DETERMINISTIC": "True",
-                    "LCCL_DETERMINISTIC": "1",
-                    "CLOSE_MATMUL_K_SHIFT": "1",
-                    "ATB_LLM_LCOC_ENABLE": "0",
-                }
-            )
+            os.environ.update(_NPU_DETERMINISTIC_ENV)
 
     if rm_dropout:
         _remove_dropout()

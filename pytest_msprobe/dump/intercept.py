@@ -6,29 +6,17 @@ included), ``torch._VF``, ``torch_npu`` (when imported) and ``torch.distributed`
 replaced by wrappers; restoring puts the originals back (a ``Tensor`` dunder inherited from ``torch._C.TensorBase``
 is deleted again rather than re-set).
 
-**Whose calls are recorded.** Every thread has its own slot, ``_tls.active``: the recorder its calls go to, or
-None. A wrapper reads that slot and nothing else, so a call costs one thread-local read when it is not recorded.
-A debugger sets the slot of the thread that started it; the recorder empties it while it works on a call (calls
-nested in a captured call, and the dump's own torch calls, are not recorded) and puts it back after. Every other
-thread's calls go straight through, unrecorded and uncounted: a data loader, a metrics thread or a second
-debugger's training loop on another thread never shows in this dump.
-
-One exception: threads that Python did not create. The autograd engine runs the backward of CUDA (and other
-device) tensors on its own device threads; Python code called there for the owner's backward (a custom
-``autograd.Function``'s backward, activation checkpointing's recomputation, a user's tensor hook) belongs to the
-owner's step. Such a thread's slot holds :data:`FOREIGN`, which records a call for a recorder only while the
-thread runs an autograd node (``torch._C._current_autograd_node()``) of a backward pass that recorder owns:
-one in which a hook the recorder registered has already run (see :func:`claim_backward`). Not seen, then: calls
-made on a device thread before the first of the recorder's hooks ran in that pass, and calls a device thread
-makes outside autograd nodes. On CPU the engine runs a thread's backward on that thread, so none of this applies.
+A wrapper reads the calling thread's slot (:mod:`.threads`) and nothing else: None sends the call straight
+through, anything else (a recorder, or the slot of a device thread) gets it through ``api_call``.
 
 Wrappers are installed while at least one debugger holds them (:meth:`ApiPatcher.install`) and removed when the
 last lets go; both happen under a lock, with signals deferred (:mod:`.signals`), and removal restores every
 wrapper ever installed whatever was recorded about it, so no cut in between leaves one behind.
 
-The collectives of ``torch.distributed`` go to :meth:`Recorder.dist_call`; while they are wrapped,
-``torch.distributed.Work.wait`` is wrapped too, so that an asynchronous collective (``async_op=True``, ``isend``,
-``irecv``, ``batch_isend_irecv``) is recorded when the program waits for it, the moment its tensors are final.
+The collectives of ``torch.distributed`` go to the recorder's ``dist_call`` (:mod:`.collectives`); while they
+are wrapped, ``torch.distributed.Work.wait`` is wrapped too, so that an asynchronous collective
+(``async_op=True``, ``isend``, ``irecv``, ``batch_isend_irecv``) is recorded when the program waits for it, the
+moment its tensors are final.
 """
 
 from __future__ import annotations
@@ -39,145 +27,15 @@ import inspect
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from pytest_msprobe.dump import api_lists
 from pytest_msprobe.dump.signals import deferred_signals
+from pytest_msprobe.dump.threads import slot
 from pytest_msprobe.format.names import PREFIXES
-
-if TYPE_CHECKING:  # pragma: no cover
-    from pytest_msprobe.dump.capture import Recorder
-
-_set_grad_enabled = torch._C._set_grad_enabled
-_current_autograd_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
-_current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-_get_ident = threading.get_ident
-
-# the backward passes (autograd graph task ids) in which a recorder's own hooks ran, for FOREIGN threads
-_BACKWARD_OWNERS: dict[int, Recorder] = {}
-
-
-def _created_by_python() -> bool:
-    """Whether the calling thread was started by Python (threading), rather than by C++ (autograd, a library)."""
-    active = getattr(threading, "_active", None)
-    # current_thread() would register a dummy for a foreign thread: look it up instead (CPython has _active)
-    thread = threading.current_thread() if active is None else active.get(_get_ident())
-    dummy = getattr(threading, "_DummyThread", ())
-    return thread is not None and not isinstance(thread, dummy)
-
-
-class _ForeignThread:
-    """The slot of a thread Python did not create: records for the recorder owning the backward pass it runs."""
-
-    # never holds collectives waiting for their work (read by the wrapper of Work.wait)
-    dist_pending: dict[int, Any] = {}  # noqa: RUF012 - an always empty, shared constant
-
-    @staticmethod
-    def owner() -> Recorder | None:
-        """The recorder whose backward pass this thread is running a node of, if any."""
-        if not _BACKWARD_OWNERS or _current_autograd_node() is None:
-            return None
-        return _BACKWARD_OWNERS.get(_current_graph_task_id())
-
-    def api_call(
-        self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        recorder = self.owner()
-        if recorder is None:
-            return orig(*args, **kwargs)
-        return recorder.api_call(api, orig, args, kwargs)
-
-    def dist_call(
-        self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        recorder = self.owner()
-        if recorder is None:
-            return orig(*args, **kwargs)
-        return recorder.dist_call(api, orig, args, kwargs)
-
-    def work_waited(self, work: Any) -> None:  # pragma: no cover - dist_pending is always empty
-        pass
-
-
-FOREIGN = _ForeignThread()
-
-
-class _ThreadState(threading.local):
-    """Per thread: where its API calls go (``active``), set up on the thread's first use."""
-
-    active: Any = None  # a Recorder, FOREIGN, or None (straight through)
-    foreign = False
-
-    def __init__(self) -> None:
-        if not _created_by_python():
-            self.active = FOREIGN
-            self.foreign = True
-
-
-_tls = _ThreadState()
-
-
-def activate(recorder: Recorder) -> None:
-    """Record the calling thread's API calls into ``recorder``."""
-    _tls.active = recorder
-
-
-def deactivate(recorder: Recorder | None = None) -> None:
-    """Stop recording the calling thread's calls (into ``recorder`` only, when given)."""
-    tls = _tls
-    if recorder is None or tls.active is recorder:
-        tls.active = FOREIGN if tls.foreign else None
-
-
-def is_foreign_thread() -> bool:
-    """Whether the calling thread was not started by Python (an autograd device thread, say)."""
-    return bool(_tls.foreign)
-
-
-def claim_backward(recorder: Recorder) -> int | None:
-    """Note that the backward pass the calling thread runs belongs to ``recorder`` (called from its hooks).
-
-    Returns the pass's id (None outside a backward pass); :meth:`release_backward` forgets it.
-    """
-    task = _current_graph_task_id()
-    if task < 0:
-        return None
-    if _BACKWARD_OWNERS.get(task) is not recorder:
-        _BACKWARD_OWNERS[task] = recorder
-    return task
-
-
-def owns_backward(recorder: Recorder) -> bool:
-    """Whether the calling thread runs a node of a backward pass ``recorder`` claimed."""
-    return bool(_BACKWARD_OWNERS) and _BACKWARD_OWNERS.get(_current_graph_task_id()) is recorder
-
-
-def release_backward(recorder: Recorder) -> None:
-    """Forget every backward pass claimed by ``recorder``."""
-    for task in [t for t, r in list(_BACKWARD_OWNERS.items()) if r is recorder]:
-        _BACKWARD_OWNERS.pop(task, None)
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """A context in which the calling thread's torch calls are not recorded."""
-    tls = _tls
-    prev = tls.active
-    try:
-        tls.active = None
-        yield
-    finally:
-        tls.active = prev
-
-
-def silence_this_thread() -> None:
-    """Set up one of the dump's own threads: its API calls are never recorded, and build no autograd graph."""
-    _tls.active = None
-    _tls.foreign = False
-    _set_grad_enabled(False)
 
 
 def _dressed_as(
@@ -197,7 +55,7 @@ def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
     """The wrapper of one API: straight through unless the calling thread records, else to ``Recorder.api_call``."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        recorder = _tls.active
+        recorder = slot.active
         if recorder is None:
             return orig(*args, **kwargs)
         return recorder.api_call(api, orig, args, kwargs)
@@ -206,12 +64,12 @@ def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
 
 
 def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
-    """A wrapper of a torch.distributed collective (recorded with its tensors after the call, see capture)."""
+    """The wrapper of a torch.distributed collective: recorded after the call (:mod:`.collectives`)."""
     if api in _P2P_APIS:
         return _P2PWrapper(orig, api)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        recorder = _tls.active
+        recorder = slot.active
         if recorder is None:
             return orig(*args, **kwargs)
         return recorder.dist_call(api, orig, args, kwargs)
@@ -246,7 +104,7 @@ class _P2PWrapper:
         if self._send and "group_src" in kwargs and "group_dst" not in kwargs:
             kwargs["group_dst"] = kwargs.pop("group_src")
         orig = self.__wrapped__
-        recorder = _tls.active
+        recorder = slot.active
         if recorder is None:
             return orig(*args, **kwargs)
         return recorder.dist_call(self._api, orig, args, kwargs)
@@ -270,7 +128,7 @@ def _make_wait_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]
 
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = orig(self, *args, **kwargs)
-        recorder = _tls.active
+        recorder = slot.active
         if recorder is not None and recorder.dist_pending:
             recorder.work_waited(self)
         return result

@@ -20,7 +20,7 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 try:  # the C functions: signal's wrappers are Python functions, where a pending handler would run mid-way
@@ -69,12 +69,7 @@ class deferred_signals:
             raise
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if _get_ident() == _MAIN_IDENT:
             self._leave()
 

@@ -4,7 +4,8 @@ For every tensor a record mentions, the engine builds msprobe's JSON item (``typ
 ``Max``, ``Min``, ``Mean``, ``Norm``, ``requires_grad`` [, ``md5``] [, ``data_name``]) with the four statistics
 left as placeholders. The statistics themselves are 0-d tensors on the tensor's device, appended to per
 (dtype, device) buckets; :meth:`StatEngine.flush` stacks each bucket and moves it to the host in one transfer,
-then fills the placeholders. Nothing here calls ``.item()``, ``bool()`` or ``.tolist()`` per tensor.
+then fills the placeholders. Nothing here calls ``.item()``, ``bool()`` or ``.tolist()`` per tensor. How each
+tensor's statistics are reduced, and accumulated accurately, is :mod:`.reductions`'.
 
 What msprobe writes, reproduced here:
 
@@ -31,65 +32,38 @@ from typing import Any
 
 import torch
 
-_VF: Any = torch._C._VariableFunctions
-_TB: Any = torch._C.TensorBase
-# the C functions themselves: the dump's own computations must not go through the API wrappers
-_aminmax = _VF.aminmax
-_amax = _VF.amax
-_amin = _VF.amin
-_sum = _VF.sum
-_as_tensor = _VF.as_tensor
-_abs = _VF.abs
-_clone = _VF.clone
-_stack = _VF.stack
-_cat = _VF.cat
-_split = _TB.split
-_narrow = _VF.narrow
-_unbind = _VF.unbind
-_div = _VF.div
-_vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]
-_detach = _TB.detach
-_to = _TB.to
-_contiguous = _TB.contiguous
-_reshape = _TB.reshape
-_view_dtype = _TB.view
+from pytest_msprobe.dump.ops import aminmax as _aminmax
+from pytest_msprobe.dump.ops import as_tensor as _as_tensor
+from pytest_msprobe.dump.ops import cat as _cat
+from pytest_msprobe.dump.ops import clone as _clone
+from pytest_msprobe.dump.ops import contiguous as _contiguous
+from pytest_msprobe.dump.ops import detach as _detach
+from pytest_msprobe.dump.ops import div as _div
+from pytest_msprobe.dump.ops import narrow as _narrow
+from pytest_msprobe.dump.ops import reshape as _reshape
+from pytest_msprobe.dump.ops import stack as _stack
+from pytest_msprobe.dump.ops import unbind as _unbind
+from pytest_msprobe.dump.ops import view as _view_dtype
+from pytest_msprobe.dump.ops import zeros as _zeros
+from pytest_msprobe.dump.reductions import (
+    K_BOOL,
+    K_COMPLEX,
+    K_F32,
+    K_F64,
+    K_LOW,
+    K_NONE,
+    KINDS,
+    SMALL,
+    kind_of,
+    numeric,
+    numeric_rows,
+)
 
 _weakref = weakref.ref
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
-_F32 = torch.float32
-_F64 = torch.float64
-_LOW_FLOATS = frozenset({torch.float16, torch.bfloat16})
-_INTS = frozenset(
-    {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-    | {getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n)}
-)
-_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 
-# kinds of tensors, by how their statistics are computed
-_K_F32, _K_LOW, _K_F64, _K_INT, _K_BOOL, _K_COMPLEX, _K_CAST, _K_NONE = range(8)
-
-
-def _kind_of(dtype: torch.dtype) -> int:
-    if dtype is _F32:
-        return _K_F32
-    if dtype in _LOW_FLOATS:
-        return _K_LOW
-    if dtype is _F64:
-        return _K_F64
-    if dtype in _INTS:
-        return _K_INT
-    if dtype is torch.bool:
-        return _K_BOOL
-    if dtype in _COMPLEX:
-        return _K_COMPLEX
-    if dtype.is_floating_point:  # float8 variants and other exotic floats: computed in float32
-        return _K_CAST
-    return _K_NONE  # quantized and the like: no statistics
-
-
-_KINDS: dict[torch.dtype, int] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
@@ -161,113 +135,19 @@ class _Group:
             by_shape.setdefault((copy.shape, kind), []).append((row, copy))
         self.deferred = []
         for (_, kind), members in by_shape.items():
-            if len(members) == 1 or kind not in (_K_F32, _K_F64, _K_LOW):
+            if len(members) == 1 or kind not in (K_F32, K_F64, K_LOW):
                 for row, copy in members:
-                    for col, value in zip(cols, _numeric(copy, kind)):
+                    for col, value in zip(cols, numeric(copy, kind)):
                         col[row] = value
                 continue
             rows = _reshape(_stack([copy for _, copy in members]), (len(members), -1))
-            # amax and amin: aminmax along a dimension is many times slower on CPU
-            mx, mn = _amax(rows, 1), _amin(rows, 1)
-            # each row is at most one block and one chunk: accumulated as _sum_and_norm does a tensor that size
-            device = rows.device.type
-            if device == "cpu":
-                wide = _to(rows, _F64)
-                results = (mx, mn, _sum(wide, 1), _vector_norm(wide, 2, 1))
-            else:
-                acc = _F64 if device == "cuda" else _F32 if kind == _K_LOW else None
-                results = (mx, mn, _sum(rows, 1, dtype=acc), _vector_norm(rows, 2, 1, dtype=acc))
+            results = numeric_rows(rows, kind)
             for col, values in zip(cols, results):
                 for (row, _), value in zip(members, _unbind(values)):
                     col[row] = value
 
 
 _Ref = tuple[_Group, int] | None
-# tensors of at most this many elements are copied when seen and reduced at flush
-_SMALL = 4096
-_ONE_PASS = 1 << 19
-
-
-# Accurate at any size, with no host sync. A float32 sum of values that cancel (a gradient, a normalised
-# activation) loses digits at any size (1 in 10 random zero-mean tensors' means were more than 1e-6 off their
-# float64 value), so sums accumulate in float64 on the CPU and on CUDA. A norm adds squares, which never cancel,
-# but one float32 accumulation drifts with the number of terms (torch's CPU norm of 1M float32 elements was 4e-4
-# off, of 64M elements 5e-2). On the CPU a tensor of up to ``_CHUNK`` elements is converted to float64 once, in
-# cache, for both; a larger one is summed in float64 a chunk at a time (one conversion of a large tensor would
-# leave the cache), and its norm is taken over blocks of ``_BLOCK`` elements, then over the blocks' results, and
-# so on, which keeps it within ~3e-7 in float32 at a third of the float64 cost. CUDA takes both in float64
-# outright. Devices that may lack float64 (NPU, MPS) take sums by blocks too.
-_CHUNK = 1 << 16
-_BLOCK = 2048
-_WIDE_SUMS = frozenset({"cpu", "cuda"})  # devices whose sums accumulate in float64
-
-
-def _blocks(flat: torch.Tensor, reduce: Callable[..., torch.Tensor], dtype: Any) -> torch.Tensor:
-    """``reduce`` (a sum or a 2-norm, which combine blockwise) of a 1-d tensor, block by block, each level's
-    results reduced again until one block is left: no accumulation runs over more than ``_BLOCK`` terms."""
-    n = flat.shape[0]
-    while n > _BLOCK:
-        whole = n - n % _BLOCK
-        level = reduce(_reshape(_narrow(flat, 0, 0, whole), (-1, _BLOCK)), 1, dtype=dtype)
-        if whole != n:
-            rest = reduce(_narrow(flat, 0, whole, n - whole), 0, dtype=dtype)
-            level = _cat((level, _reshape(rest, (1,))))
-        flat, n, dtype = level, level.shape[0], None
-    return reduce(flat, 0, dtype=dtype)
-
-
-def _block_sum(t: torch.Tensor, dim: int, dtype: Any = None) -> torch.Tensor:
-    return _sum(t, dim, dtype=dtype)
-
-
-def _block_norm(t: torch.Tensor, dim: int, dtype: Any = None) -> torch.Tensor:
-    return _vector_norm(t, 2, dim, dtype=dtype)
-
-
-def _sum_and_norm(t: torch.Tensor) -> tuple[Any, Any]:
-    """The sum and 2-norm of a non-empty tensor, accurate whatever its size (see above); float16 and bfloat16
-    accumulate in float32 at least."""
-    device = t.device.type
-    if device == "cuda":
-        return _sum(t, dtype=_F64), _vector_norm(t, dtype=_F64)
-    n = t.numel()
-    low = _F32 if t.dtype in _LOW_FLOATS else None
-    if device == "cpu":
-        if n <= _CHUNK:
-            wide = _to(t, _F64)
-            return _sum(wide), _vector_norm(wide)
-        flat = _reshape(t, (-1,))  # a view of a contiguous tensor; a copy of another
-        total = _sum(_stack([_sum(chunk, dtype=_F64) for chunk in _split(flat, _CHUNK)]))
-        return total, _blocks(flat, _block_norm, low)
-    if n <= _BLOCK:
-        return _sum(t, dtype=low), _vector_norm(t, dtype=low)
-    flat = _reshape(t, (-1,))
-    return _blocks(flat, _block_sum, low), _blocks(flat, _block_norm, low)
-
-
-def _numeric(t: torch.Tensor, kind: int) -> tuple[Any, Any, Any, Any]:
-    """Max, min, sum and 2-norm of a non-empty tensor with at least one dimension (no host sync)."""
-    if kind in (_K_F32, _K_F64):
-        # on the CPU, aminmax is one pass but slower per element than amax or amin: two passes win while the
-        # tensor fits in the cache, one pass beyond (from 2^19 elements: 1.4 ms instead of 1.9 ms at 2.4M)
-        n = t.numel()
-        if n > _SMALL and (n <= _ONE_PASS or t.device.type != "cpu"):
-            return (_amax(t), _amin(t), *_sum_and_norm(t))
-        mn, mx = _aminmax(t)
-        return (mx, mn, *_sum_and_norm(t))
-    if kind == _K_LOW:
-        mn, mx = _aminmax(t)
-        return (mx, mn, *_sum_and_norm(t))
-    if kind == _K_INT:
-        mn, mx = _aminmax(t)  # exact, in the integer dtype
-        return (mx, mn, *_sum_and_norm(_to(t, _F64 if t.device.type in _WIDE_SUMS else _F32)))
-    if kind == _K_COMPLEX:
-        mag = _abs(t)
-        mn, mx = _aminmax(mag)
-        return mx, mn, _sum_and_norm(mag)[0], None
-    as_float = _to(t, _F32)  # _K_CAST: float8 and other exotic floats, in float32
-    mn, mx = _aminmax(as_float)
-    return (mx, mn, *_sum_and_norm(as_float))
 
 
 def crc32_hex(t: torch.Tensor) -> str:
@@ -464,7 +344,7 @@ class StatEngine:
             coo = data.layout is torch.sparse_coo
             values = _reshape(data.coalesce()._values() if coo else data.values(), (-1,))
             if values.numel() < t.numel():
-                values = _cat((values, _VF.zeros(1, dtype=values.dtype, device=values.device)))
+                values = _cat((values, _zeros(1, dtype=values.dtype, device=values.device)))
         except Exception:  # a layout or device without these operators: no statistics
             return None
         return self._compute(values, count=t.numel())
@@ -483,15 +363,15 @@ class StatEngine:
         ``count``: the number of elements the Mean divides by, when ``t`` holds the values of a larger tensor.
         """
         dtype = t.dtype
-        kind = _KINDS.get(dtype)
+        kind = KINDS.get(dtype)
         if kind is None:
-            kind = _KINDS[dtype] = _kind_of(dtype)
+            kind = KINDS[dtype] = kind_of(dtype)
         if t.layout is not _STRIDED or t.is_meta:
             return None
-        if kind == _K_NONE:
+        if kind == K_NONE:
             if not t.is_quantized:
                 return None
-            t, kind, copy = t.dequantize(), _K_F32, None  # a quantized tensor: the values it stands for
+            t, kind, copy = t.dequantize(), K_F32, None  # a quantized tensor: the values it stands for
         numel = t.numel()
         if numel == 0:
             return None
@@ -508,7 +388,7 @@ class StatEngine:
 
     def _launch(self, t: torch.Tensor, kind: int, numel: int, copy: torch.Tensor | None) -> _Ref:
         self.computed += 1
-        if kind == _K_BOOL:
+        if kind == K_BOOL:
             group = self._group(t, _G_BOOL, False)
             mn, mx = _aminmax(t)  # max = any, min = all
             cols = group.cols
@@ -521,18 +401,18 @@ class StatEngine:
             # a copy: the value may be changed in place later (num_batches_tracked)
             col.append(_clone(t) if copy is None else copy)
             return group, len(col) - 1
-        group = self._group(t, _G_COMPLEX if kind == _K_COMPLEX else _G_NUMERIC, False)
+        group = self._group(t, _G_COMPLEX if kind == K_COMPLEX else _G_NUMERIC, False)
         cols = group.cols
         row = len(cols[0])
         group.counts.append(numel)
-        if numel <= _SMALL:
+        if numel <= SMALL:
             # small tensors: one copy now, the statistics at flush (on the writer thread); for a handful of
             # elements the operators' fixed cost is the whole cost, so this saves most of it
             group.deferred.append((row, _clone(t) if copy is None else copy, kind))
             for col in cols:
                 col.append(None)  # type: ignore[arg-type]
             return group, row
-        mx, mn, s, norm = _numeric(t, kind)
+        mx, mn, s, norm = numeric(t, kind)
         cols[0].append(mx)
         cols[1].append(mn)
         cols[2].append(s)

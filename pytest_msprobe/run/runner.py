@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_msprobe import __version__
+from pytest_msprobe.dump.determinism import SEED_ENV, seed_all
 from pytest_msprobe.errors import (
     BaselineError,
     BaselineMismatchError,
@@ -192,16 +193,6 @@ class _NoDump:
         pass
 
 
-_SEED_ENV = (
-    "PYTHONHASHSEED",
-    "CUBLAS_WORKSPACE_CONFIG",
-    "HCCL_DETERMINISTIC",
-    "LCCL_DETERMINISTIC",
-    "CLOSE_MATMUL_K_SHIFT",
-    "ATB_LLM_LCOC_ENABLE",
-)
-
-
 @dataclass(frozen=True)
 class _Determinism:
     """The process-wide switches seed_all(mode=True) changes, so a test leaves them as it found them."""
@@ -223,7 +214,7 @@ class _Determinism:
             torch.is_deterministic_algorithms_warn_only_enabled(),
             torch.backends.cudnn.deterministic,
             torch.backends.cudnn.benchmark,
-            {name: os.environ.get(name) for name in _SEED_ENV},
+            {name: os.environ.get(name) for name in SEED_ENV},
         )
 
     def restore(self) -> None:
@@ -270,8 +261,6 @@ class MsprobeRun:
         rank: int | None = None,
         dump_dir: Path | None = None,
     ) -> None:
-        from pytest_msprobe.dump.determinism import seed_all
-
         self.nodeid = nodeid
         self.session = session
         self.settings = test

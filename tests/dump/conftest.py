@@ -113,10 +113,10 @@ def dump_reader() -> Callable[..., Any]:
 def no_leftover_debugger() -> Iterator[None]:
     """Fails a test that leaves API wrappers installed or a debugger started."""
     yield
-    from pytest_msprobe.dump import debugger, intercept
+    from pytest_msprobe.dump import debugger, intercept, threads
 
     assert debugger._STARTED == {}
-    assert intercept._tls.active is None
+    assert threads.slot.active is None
     assert not intercept._HOLDERS and not intercept.wrappers_installed()
     assert "__add__" not in vars(torch.Tensor)
 

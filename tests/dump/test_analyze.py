@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from pytest_msprobe.dump.capture import Recorder
 from pytest_msprobe.dump.config import DumpConfig
+from pytest_msprobe.dump.recorder import Recorder
 from pytest_msprobe.dump.stats import StatEngine
 
 

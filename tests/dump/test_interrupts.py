@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from pytest_msprobe import PrecisionDebugger
 from pytest_msprobe.dump import debugger as debugger_module
-from pytest_msprobe.dump import intercept
+from pytest_msprobe.dump import intercept, threads
 from pytest_msprobe.dump.signals import deferred_signals
 
 pytestmark = pytest.mark.usefixtures("no_leftover_debugger")
@@ -37,7 +37,7 @@ def _assert_nothing_left(model: torch.nn.Module | None = None, grad: bool = True
     """No wrapper, hook, started debugger or dump thread is left in the process (``grad``: gradients are on)."""
     assert (F.relu, F.conv2d, torch.add, torch.Tensor.add_, torch.Tensor.mean) == ORIGINALS
     assert "__add__" not in vars(torch.Tensor) and not intercept.wrappers_installed()
-    assert not intercept._HOLDERS and debugger_module._STARTED == {} and intercept._tls.active is None
+    assert not intercept._HOLDERS and debugger_module._STARTED == {} and threads.slot.active is None
     assert torch.is_grad_enabled() or not grad, "the dump switched gradients off and did not switch them back"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if model is not None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pytest_msprobe import PrecisionDebugger
-from pytest_msprobe.dump import intercept
+from pytest_msprobe.dump import intercept, threads
 from pytest_msprobe.errors import DumpError
 
 pytestmark = pytest.mark.usefixtures("no_leftover_debugger")
@@ -148,7 +148,7 @@ def test_the_dumps_own_threads_are_not_recorded(tmp_path: Path) -> None:
     done = threading.Event()
 
     def silenced() -> None:
-        intercept.silence_this_thread()
+        threads.silence_this_thread()
         torch.ones(3).sum()
         done.set()
 

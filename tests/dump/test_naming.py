@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_msprobe.dump import naming
+from pytest_msprobe.format import names as naming
 
 
 def test_api_and_module_names() -> None:
