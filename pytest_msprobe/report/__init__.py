@@ -2,7 +2,8 @@
 
 ``compare_result_{timestamp}.xlsx`` (msprobe 8.3.3's columns, then ours; rows coloured by verdict),
 ``advisor_{timestamp}.txt`` (where to look first and what to try) and ``summary.json`` (the verdict for
-machines), each written atomically; :func:`console_summary` is the terminal view.
+machines), each written atomically; :func:`console_summary` is the terminal view (:mod:`.text` also makes the
+failure message of a breaching test, :mod:`.html` pytest-html's fragment).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.errors import ReportError
 from pytest_msprobe.format.files import atomic_path, write_text
 from pytest_msprobe.report.advisor import advisor_text
-from pytest_msprobe.report.summary import console_summary, summary_dict, summary_json
+from pytest_msprobe.report.summary import summary_dict, summary_json
 from pytest_msprobe.report.table import api_sheet, compare_sheet
+from pytest_msprobe.report.text import console_summary
 from pytest_msprobe.report.xlsx import write_xlsx
 
 __all__ = ["ReportError", "console_summary", "summary_dict", "write_reports"]

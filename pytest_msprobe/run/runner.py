@@ -435,7 +435,7 @@ class MsprobeRun:
             return Outcome(REGENERATED, f"baseline written to {path}", baseline=path)
         from pytest_msprobe.compare import compare
         from pytest_msprobe.report import write_reports
-        from pytest_msprobe.report.failure import failure_message
+        from pytest_msprobe.report.text import failure_message
 
         with self.store.reading(self.nodeid) as baseline:
             if not is_dump_root(baseline):
