@@ -24,8 +24,13 @@ from pytest_msprobe.report.xlsx import write_xlsx
 __all__ = ["ReportError", "console_summary", "summary_dict", "write_reports"]
 
 
-def write_reports(result: CompareResult, out_dir: str | os.PathLike[str]) -> dict[str, str]:
+def write_reports(
+    result: CompareResult, out_dir: str | os.PathLike[str], advisor: str | None = None
+) -> dict[str, str]:
     """Write the xlsx, the advisor and summary.json into ``out_dir`` (created if needed).
+
+    ``advisor`` is the advisor's text where the caller already made it (a test run keeps it for its HTML
+    fragment), made here otherwise.
 
     All or nothing: the three are written to temporary files first and renamed into place only once all
     three are complete, so a failure (disk full, a read-only folder) leaves no partial report behind.
@@ -46,7 +51,10 @@ def write_reports(result: CompareResult, out_dir: str | os.PathLike[str]) -> dic
                 pending.enter_context(atomic_path(current)), [compare_sheet(result), api_sheet(result)]
             )
             current = paths["advisor"]
-            write_text(pending.enter_context(atomic_path(current)), advisor_text(result))
+            write_text(
+                pending.enter_context(atomic_path(current)),
+                advisor_text(result) if advisor is None else advisor,
+            )
             current = paths["summary"]
             write_text(pending.enter_context(atomic_path(current)), summary_json(result))
     except OSError as exc:
