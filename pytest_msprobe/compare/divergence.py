@@ -27,8 +27,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.judge import fmt_number
-from pytest_msprobe.compare.records import OUTPUT, TENSOR
+from pytest_msprobe.compare.records import OUTPUT
 from pytest_msprobe.compare.result import (
     ENTERS,
     ERROR,
@@ -39,6 +38,8 @@ from pytest_msprobe.compare.result import (
     ApiResult,
     Divergence,
     RowResult,
+    fmt_number,
+    shape_differs,
 )
 
 # an input whose error exceeds this fraction of its tolerance does not count as matching the baseline (the
@@ -79,16 +80,10 @@ def first_divergence(
     return _structural(calls, structural or {}) or fallback
 
 
-def other_shape(row: RowResult) -> bool:
-    """Whether a row's two tensors have other shapes (never a matter of precision)."""
-    t, b = row.target, row.baseline
-    return t is not None and b is not None and t.kind == TENSOR and b.kind == TENSOR and t.shape != b.shape
-
-
 def inputs_of_other_shapes(api: ApiResult, rows: Sequence[RowResult]) -> list[int]:
     """The breaching input rows of a call whose two tensors have other shapes (indices into ``rows``)."""
     return [
-        j for j in api.rows if rows[j].role != OUTPUT and rows[j].status == ERROR and other_shape(rows[j])
+        j for j in api.rows if rows[j].role != OUTPUT and rows[j].status == ERROR and shape_differs(rows[j])
     ]
 
 

@@ -22,6 +22,7 @@ from pytest_msprobe.compare.result import (
     UNMATCHED,
     UNUSABLE,
     WARNING,
+    fmt_number,
     worst,
 )
 from pytest_msprobe.compare.thresholds import Tolerance, is_integral, normalize_dtype
@@ -39,15 +40,6 @@ class Check(NamedTuple):
     tensor: TensorMetrics | None = None
     msprobe_accuracy: str | None = None
     problem: str | None = None  # SHAPE, NONFINITE, UNUSABLE or None
-
-
-def fmt_number(x: float | None) -> str:
-    """A number for messages: three significant digits, ``n/a`` for none."""
-    if x is None:
-        return "n/a"
-    if math.isinf(x) or math.isnan(x):
-        return str(x)
-    return f"{x:.3g}"
 
 
 def _fmt6(x: float | None) -> str:

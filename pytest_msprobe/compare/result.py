@@ -7,13 +7,16 @@ divergence points at one of them; :class:`Coverage` says how much of the baselin
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias, TypeGuard
 
-from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics
-from pytest_msprobe.compare.records import Leaf
+from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetrics
+from pytest_msprobe.compare.rank_order import collective_op
+from pytest_msprobe.compare.records import NONE, OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.thresholds import Thresholds, format_share
 
 PASS, WARNING, ERROR, UNMATCHED, SKIPPED = "pass", "warning", "error", "unmatched", "skipped"
@@ -252,3 +255,86 @@ class CompareResult:
             "unpaired_dumps": len(self.unpaired),
             "missing_dumps": len(self.missing),
         }
+
+    # ------------------------------------------------------------------- what the reports read off the result
+    @functools.cached_property
+    def ranked_errors(self) -> tuple[RowResult, ...]:
+        """The error rows, furthest over their tolerance (error / allowed) first; rows without a measured error
+        rank with those exactly at zero. Ranked once: the console summary, the failure message and the HTML
+        fragment all show these."""
+        flagged = [r for r in self.rows if r.status == ERROR]
+        flagged.sort(
+            key=lambda r: -((r.error or 0.0) / (r.allowed or 1e-300)) if r.error is not None else 0.0
+        )
+        return tuple(flagged)
+
+    def worst_rows(self, limit: int = 5) -> list[RowResult]:
+        """The first ``limit`` of :attr:`ranked_errors`, the first divergence's row first."""
+        ranked = list(self.ranked_errors)
+        fd = self.first_divergence
+        if fd is not None:
+            first = self.rows[fd.row_index]
+            ranked = [first, *(r for r in ranked if r is not first)]
+        return ranked[:limit]
+
+    def breaching_inputs(self, api: ApiResult) -> list[RowResult]:
+        """The rows of a call that breach and are not its outputs (inputs and parameters), in row order."""
+        return [
+            self.rows[i] for i in api.rows if self.rows[i].role != OUTPUT and self.rows[i].status == ERROR
+        ]
+
+
+RowSide: TypeAlias = Leaf | None
+"""What one side of a row holds (:attr:`RowResult.target`, :attr:`RowResult.baseline`): the dump's record of the
+item, None where that side lacks it."""
+
+
+def is_tensor(side: RowSide) -> TypeGuard[Leaf]:
+    """Whether the side's item is a tensor (not a None, a plain value, or a missing side)."""
+    return side is not None and side.kind == TENSOR
+
+
+def is_none(side: RowSide) -> bool:
+    """Whether the side's item is a None (an argument or output that was None), not a missing side."""
+    return side is not None and side.kind == NONE
+
+
+def shape_differs(row: RowResult) -> bool:
+    """Whether a row's two tensors have other shapes (never a matter of precision)."""
+    t, b = row.target, row.baseline
+    return is_tensor(t) and is_tensor(b) and t.shape != b.shape
+
+
+def row_metric(row: RowResult) -> str:
+    """Which metric judged the row: the worst statistic in statistics mode, the scaled error otherwise."""
+    if row.error is None and row.stat is None and row.tensor is None and row.status == ERROR:
+        return "statistics"  # NaN or missing statistics: nothing measured
+    if row.stat is not None and row.stat.worst is not None:
+        return f"{STAT_NAMES[row.stat.worst]} (scaled)"
+    if row.tensor is not None:
+        t = row.tensor
+        if t.rel_l2 is not None and t.scaled_max_abs is not None:
+            return "RelL2Err" if t.rel_l2 >= t.scaled_max_abs else "ScaledMaxAbsErr"
+        return "tensor"
+    if row.target is not None and row.target.md5 is not None:
+        return "md5"
+    return "value"
+
+
+def collective(api: ApiResult) -> str | None:
+    """The collective a call is (``all_reduce`` for ``Distributed.all_reduce.3.forward``), None for any other."""
+    return collective_op(api.api)
+
+
+def unmatched_share(coverage: Coverage) -> str:
+    """The share of the baseline's rows that found no partner, as messages print it (``77%``)."""
+    return format_share(coverage.share)
+
+
+def fmt_number(x: float | None) -> str:
+    """A number for messages: three significant digits, ``n/a`` for none."""
+    if x is None:
+        return "n/a"
+    if math.isinf(x) or math.isnan(x):
+        return str(x)
+    return f"{x:.3g}"

@@ -316,11 +316,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return report
     import pytest_html
 
-    from pytest_msprobe.report.advisor import advisor_text
     from pytest_msprobe.report.html import html_fragment
 
     extras = getattr(report, "extras", [])
-    fragment = html_fragment(outcome.result, outcome.reports, advisor_text(outcome.result))
+    fragment = html_fragment(outcome.result, outcome.reports, outcome.advisor)
     extras.append(pytest_html.extras.html(fragment))
     report.extras = extras
     return report

@@ -8,18 +8,17 @@ from __future__ import annotations
 import math
 import re
 
-from pytest_msprobe.compare.divergence import other_shape
-from pytest_msprobe.compare.rank_order import collective_op
-from pytest_msprobe.compare.records import OUTPUT
 from pytest_msprobe.compare.result import (
     ERROR,
     UNMATCHED_CAUSES,
     ApiResult,
     CompareResult,
     Divergence,
+    collective,
+    shape_differs,
+    unmatched_share,
 )
-from pytest_msprobe.compare.thresholds import format_share
-from pytest_msprobe.report.summary import first_unmatched_text
+from pytest_msprobe.report.text import first_unmatched_text
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
 _NONDETERMINISTIC = re.compile(
@@ -40,10 +39,8 @@ def _call_site(frames: tuple[str, ...]) -> str | None:
 
 def _model_differs(result: CompareResult, fd: Divergence) -> bool:
     """Whether the first divergence is a call whose inputs have other shapes (no seed makes them agree)."""
-    api = result.apis[fd.api_index]
     return fd.rule == "inherited" and any(
-        result.rows[i].role != OUTPUT and result.rows[i].status == ERROR and other_shape(result.rows[i])
-        for i in api.rows
+        shape_differs(r) for r in result.breaching_inputs(result.apis[fd.api_index])
     )
 
 
@@ -105,14 +102,10 @@ def advice(result: CompareResult, fd: Divergence) -> str:
             "growth is expected, loosen its threshold with an API rule."
         )
     else:
-        inputs = [
-            result.rows[i]
-            for i in api.rows
-            if result.rows[i].role != OUTPUT and result.rows[i].status == ERROR
-        ]
+        inputs = result.breaching_inputs(api)
         which = f"{inputs[0].row}: {inputs[0].reason}" if inputs else "its inputs"
         beyond = bool(inputs) and all(r.error is not None and math.isinf(r.error) for r in inputs)
-        reshaped = [r for r in inputs if other_shape(r)]
+        reshaped = [r for r in inputs if shape_differs(r)]
         if reshaped:
             text.append(
                 f"{api.api}, the first call that breaches, reads inputs of other shapes than the baseline's "
@@ -169,7 +162,7 @@ def _other_ranks(result: CompareResult, fd: Divergence) -> str | None:
             later.setdefault(a.rank, a)
     if not later:
         return f"Only rank {fd.rank} breaches (of ranks {', '.join(map(str, sorted(ranks)))}): look at that rank."
-    via = [a for a in later.values() if collective_op(a.api) is not None]
+    via = [a for a in later.values() if collective(a) is not None]
     text = (
         f"The error enters on rank {fd.rank}; rank(s) {', '.join(map(str, sorted(later)))} breach later "
         f"(first: {'; '.join(f'rank {r}: {a.api}' for r, a in sorted(later.items()))})"
@@ -189,7 +182,7 @@ def coverage_advice(result: CompareResult) -> str | None:
         f"{headline}: the compare cannot vouch for a run it could not pair. The usual causes: "
         f"{'; '.join(UNMATCHED_CAUSES)}. Dump both runs from the same script and level; if the two really "
         f"make different calls (a CPU baseline for a CUDA run: the optimizer's calls differ), raise "
-        f"max_unmatched (unmatched now: {format_share(cov.share)} of the baseline's rows)."
+        f"max_unmatched (unmatched now: {unmatched_share(cov)} of the baseline's rows)."
     )
 
 

@@ -14,8 +14,7 @@ import io
 import math
 from pathlib import Path
 
-from pytest_msprobe.compare.result import ERROR, CompareResult
-from pytest_msprobe.report.failure import row_metric, worst_rows
+from pytest_msprobe.compare.result import ERROR, CompareResult, row_metric
 
 _FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")  # one per rank, in rank order
@@ -143,7 +142,7 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
             f"(step {fd.step}, rank {fd.rank}), row <code>{html.escape(fd.row)}</code>: {html.escape(fd.reason)}</p>"
         )
     parts.append(f'<pre class="msprobe-advisor" style="white-space: pre-wrap">{html.escape(advisor)}</pre>')
-    failing = [r for r in worst_rows(result, limit=max_rows) if r.status == ERROR]
+    failing = [r for r in result.worst_rows(max_rows) if r.status == ERROR]
     if failing:
         parts.append(
             '<table class="msprobe-rows" border="1" cellpadding="3" style="border-collapse: collapse">'

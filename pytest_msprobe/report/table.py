@@ -11,8 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pytest_msprobe.compare.records import NONE, TENSOR, Leaf
-from pytest_msprobe.compare.result import ERROR, UNMATCHED, WARNING, CompareResult, RowResult
+from pytest_msprobe.compare.result import (
+    ERROR,
+    SHAPE,
+    UNMATCHED,
+    WARNING,
+    CompareResult,
+    RowResult,
+    RowSide,
+    is_none,
+    is_tensor,
+)
 from pytest_msprobe.report.xlsx import BOLD_RED, GREY, PLAIN, RED, YELLOW, Sheet
 
 BASE_COLUMNS = (
@@ -79,36 +88,36 @@ def columns(mode: str) -> tuple[str, ...]:
     return (*MSPROBE_COLUMNS[mode], *extra)
 
 
-def _dtype(leaf: Leaf | None) -> str:
+def _dtype(leaf: RowSide) -> str:
     if leaf is None:
         return NA
-    if leaf.kind == TENSOR:
+    if is_tensor(leaf):
         return str(leaf.dtype)
-    if leaf.kind == NONE:
+    if is_none(leaf):
         return "None"
     return f"<class '{leaf.type}'>"
 
 
-def _shape(leaf: Leaf | None) -> str:
+def _shape(leaf: RowSide) -> str:
     if leaf is None:
         return NA
-    if leaf.kind == NONE:
+    if is_none(leaf):
         return "None"
     return str(list(leaf.shape or ()))
 
 
-def _grad(leaf: Leaf | None) -> str:
+def _grad(leaf: RowSide) -> str:
     if leaf is None or leaf.requires_grad is None:
         return NA
     return str(leaf.requires_grad)
 
 
-def _stat_values(leaf: Leaf | None) -> list[Any]:
+def _stat_values(leaf: RowSide) -> list[Any]:
     if leaf is None:
         return [NA] * 4
-    if leaf.kind == NONE:
+    if is_none(leaf):
         return ["None"] * 4
-    if leaf.kind != TENSOR:
+    if not is_tensor(leaf):
         value = leaf.value if isinstance(leaf.value, (int, float, str, bool)) else str(leaf.value)
         return [value] * 4
     return [NA if v is None else v for v in leaf.stats]
@@ -130,7 +139,7 @@ def _accuracy(row: RowResult) -> str:
         return "Unmatched"
     if row.msprobe_accuracy is not None:
         return row.msprobe_accuracy
-    if row.reason.startswith("shape differs"):
+    if row.problem == SHAPE:
         return "Unmatched"
     return NA
 
@@ -141,12 +150,12 @@ def _data_name(row: RowResult) -> str:
     return str([t, b])
 
 
-def _md5(leaf: Leaf | None) -> str:
-    if leaf is None or leaf.kind == NONE:
+def _md5(leaf: RowSide) -> str:
+    if leaf is None or is_none(leaf):
         return NA
     if leaf.md5 is not None:
         return leaf.md5
-    if leaf.kind != TENSOR:
+    if not is_tensor(leaf):
         import zlib
 
         return f"{zlib.crc32(str(leaf.value).encode()):08x}"  # what msprobe shows for plain values

@@ -54,6 +54,7 @@ class Outcome:
     baseline: Path | None = None
     result: CompareResult | None = None
     reports: dict[str, str] = field(default_factory=dict)
+    advisor: str = ""  # the advisor's text, as written to its report (the HTML fragment shows it)
 
 
 def check_baseline(folder: Path, test: TestSettings | None = None) -> None:
@@ -424,7 +425,8 @@ class MsprobeRun:
             return Outcome(REGENERATED, f"baseline written to {path}", baseline=path)
         from pytest_msprobe.compare import compare
         from pytest_msprobe.report import write_reports
-        from pytest_msprobe.report.failure import failure_message
+        from pytest_msprobe.report.advisor import advisor_text
+        from pytest_msprobe.report.text import failure_message
 
         with self.store.reading(self.nodeid) as baseline:
             if not is_dump_root(baseline):
@@ -446,12 +448,13 @@ class MsprobeRun:
             except DumpFormatError as exc:  # found only now, e.g. a truncated tensor file
                 which = "baseline" if _inside(exc.path, baseline) else "dump"
                 raise BaselineError(f"unusable {which}: {exc}") from None
-        reports = write_reports(result, self.report_dir)
+        advisor = advisor_text(result)
+        reports = write_reports(result, self.report_dir, advisor)
         if result.passed:
             self._drop_dump()
-            return Outcome(PASSED, baseline=baseline, result=result, reports=reports)
+            return Outcome(PASSED, baseline=baseline, result=result, reports=reports, advisor=advisor)
         message = failure_message(result, reports, baseline, self.regen_command())
-        return Outcome(FAILED, message, baseline=baseline, result=result, reports=reports)
+        return Outcome(FAILED, message, baseline=baseline, result=result, reports=reports, advisor=advisor)
 
     def _check_every_step(self) -> None:
         """Every requested step (on every rank) is in the dump: a loop shorter than the steps asked for, or a

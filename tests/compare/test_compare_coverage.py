@@ -24,7 +24,7 @@ from pytest_msprobe.compare.thresholds import (
 from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.report import console_summary, summary_dict, write_reports
 from pytest_msprobe.report.advisor import advisor_text
-from pytest_msprobe.report.failure import failure_message
+from pytest_msprobe.report.text import failure_message
 
 FAULTS = DATA / "faults"
 

@@ -20,8 +20,8 @@ from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.report import console_summary, summary_json
 from pytest_msprobe.report.advisor import advisor_text
-from pytest_msprobe.report.failure import failure_message
 from pytest_msprobe.report.html import html_fragment
+from pytest_msprobe.report.text import failure_message
 
 # what a meaningless number looks like in text: "nan", "nanx", "infx", "is inf of", "by inf of"
 NONSENSE = re.compile(r"\bnan\b|nanx|infx|\bby inf of\b|\binf is\b|\bis inf\b")

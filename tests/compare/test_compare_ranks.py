@@ -23,9 +23,9 @@ from pytest_msprobe.compare.rank_order import CallPlace, collective_op, collecti
 from pytest_msprobe.compare.run import default_jobs
 from pytest_msprobe.errors import ConfigError, DumpFormatError
 from pytest_msprobe.report import console_summary, summary_dict, write_reports
-from pytest_msprobe.report.failure import failure_message
 from pytest_msprobe.report.html import error_plot_png, plot_title
 from pytest_msprobe.report.table import api_sheet
+from pytest_msprobe.report.text import failure_message
 
 ALL_REDUCE = "Distributed.all_reduce.0.forward"
 RELU = "Functional.relu.0.forward"

@@ -16,7 +16,7 @@ from compare_helpers import DATA, tensor, write_dump
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.report.advisor import advisor_text
-from pytest_msprobe.report.failure import failure_message
+from pytest_msprobe.report.text import failure_message
 
 NAN, INF = float("nan"), float("inf")
 FINE = (2.0, -1.0, 0.5, 3.0)  # Max, Min, Mean, Norm

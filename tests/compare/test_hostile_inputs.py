@@ -752,7 +752,7 @@ def test_ranks_present_on_one_side_only(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_the_failure_message_names_the_missing_step(tmp_path: Path) -> None:
-    from pytest_msprobe.report.failure import failure_message
+    from pytest_msprobe.report.text import failure_message
 
     target, baseline = _steps(tmp_path, "t", [0], ["rank"]), _steps(tmp_path, "b", [0, 1], ["rank"])
     message = failure_message(compare(target, baseline), {}, baseline, "pytest x --msprobe-regen-baseline")

@@ -1,0 +1,190 @@
+"""The text views of a compare: the console summary of ``pytest-msprobe compare`` and the failure message of a
+breaching msprobe test, made of the same pieces (first divergence, ranks, coverage, worst rows, reports).
+
+The failure message has one shape, every time:
+
+headline with counts
+what the compare could not check (a step or rank the target lacks, too little of the baseline paired)
+the first divergence and why
+the worst rows: row, metric, value, allowed
+where the reports are
+how to regenerate the baseline
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pytest_msprobe.compare.result import (
+    UNMATCHED_CAUSES,
+    CompareResult,
+    Divergence,
+    fmt_number,
+    row_metric,
+    unmatched_share,
+)
+from pytest_msprobe.report.summary import rank_summaries
+
+
+# ------------------------------------------------------------------------------------------ shared pieces
+def _steps_and_ranks(result: CompareResult) -> tuple[list[int], list[int]]:
+    """The steps and the ranks of the dump pairs compared."""
+    steps = sorted({p.step for p in result.pairs if p.step is not None})
+    ranks = sorted({p.rank for p in result.pairs if p.rank is not None})
+    return steps, ranks
+
+
+def _divergence_lines(fd: Divergence, where: str) -> list[str]:
+    """``first divergence: API (where), row ROW`` and its reason."""
+    return [f"first divergence: {fd.api} ({where}), row {fd.row}", f"  {fd.reason}"]
+
+
+def _reports_lines(reports: dict[str, str] | None) -> list[str]:
+    return ["reports: " + ", ".join(reports.values())] if reports else []
+
+
+def rank_line(result: CompareResult) -> str | None:
+    """``by rank: rank 0: 2 of 40 calls breach, first ...; rank 1: passed`` for a compare of several ranks."""
+    per_rank = rank_summaries(result)
+    if len(per_rank) < 2:
+        return None
+    return "by rank: " + "; ".join(
+        f"rank {r['rank']}: "
+        + (
+            f"{r['apis_error']} of {r['apis']} calls breach, first {r['first_error']}"
+            if r["apis_error"]
+            else "passed"
+        )
+        for r in per_rank
+    )
+
+
+def _where(step: int | None, rank: int | None) -> str:
+    return ", ".join(
+        x
+        for x in (f"step {step}" if step is not None else "", f"rank {rank}" if rank is not None else "")
+        if x
+    )
+
+
+def first_unmatched_text(result: CompareResult) -> str:
+    """``A, B (step 0, rank 0), C (step 1, rank 0)``: the first baseline calls without a partner, in execution
+    order, each run of calls followed by its step and rank."""
+    calls = [result.apis[i] for i in result.coverage.first_unmatched]
+    parts: list[str] = []
+    for n, api in enumerate(calls):
+        last = n + 1 == len(calls) or (calls[n + 1].step, calls[n + 1].rank) != (api.step, api.rank)
+        where = _where(api.step, api.rank)
+        parts.append(f"{api.api} ({where})" if last and where else api.api)
+    return ", ".join(parts)
+
+
+def coverage_lines(result: CompareResult, allow: str) -> list[str]:
+    """The lines of a compare that paired too little of the baseline (none when it paired enough): the
+    headline, the first calls left without a partner, the usual causes, and ``allow``, the setting that
+    raises the limit (``--max-unmatched=SHARE`` on the command line; under pytest its ``--msprobe-`` form)."""
+    cov = result.coverage
+    if cov.headline is None:
+        return []
+    lines = [cov.headline]
+    if cov.first_unmatched:
+        lines.append(
+            f"  first baseline calls without a partner (execution order): {first_unmatched_text(result)}"
+        )
+    lines.append(f"  usual causes: {'; '.join(UNMATCHED_CAUSES)}")
+    lines.append(
+        f"  if the two runs really make different calls, raise the limit with {allow} (unmatched now: "
+        f"{unmatched_share(cov)} of the baseline's rows)"
+    )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------- the views
+def console_summary(result: CompareResult, reports: dict[str, str] | None = None, worst: int = 5) -> str:
+    """A few lines for the terminal: headline with counts, the first divergence, the worst rows, the reports."""
+    c = result.counts()
+    steps, ranks = _steps_and_ranks(result)
+    scope = f"{len(result.pairs)} dump pair(s)"
+    if steps:
+        scope += f", step(s) {', '.join(map(str, steps))}"
+    if ranks:
+        scope += f", rank(s) {', '.join(map(str, ranks))}"
+    status = "PASSED" if result.passed else "FAILED"
+    lines = [
+        f"pytest-msprobe compare: {status} ({result.mode} mode, {scope}): {c['rows']} rows: {c['pass']} pass, "
+        f"{c['warning']} warning, {c['error']} error, {c['unmatched']} unmatched, {c['skipped']} skipped; "
+        f"{c['apis_error']} of {c['apis']} API calls breach"
+    ]
+    lines.extend(coverage_lines(result, "--max-unmatched=SHARE"))
+    fd = result.first_divergence
+    if fd is not None:
+        lines.extend(
+            _divergence_lines(
+                fd, f"step {fd.step}, rank {fd.rank}" if fd.step is not None else f"rank {fd.rank}"
+            )
+        )
+    by_rank = rank_line(result)
+    if by_rank:
+        lines.append(by_rank)
+    # the console ranks only rows with a measured error: its table is of numbers
+    measured = [r for r in result.ranked_errors if r.error is not None]
+    if measured:
+        lines.append("worst rows (scaled error / allowed):")
+        for r in measured[:worst]:
+            lines.append(f"  {r.row:<60} {fmt_number(r.error):>9} / {fmt_number(r.allowed)}")
+    for note in result.unpaired:
+        lines.append(f"{'missing' if note in result.missing else 'not compared'}: {note}")
+    lines.extend(_reports_lines(reports))
+    return "\n".join(lines)
+
+
+def failure_message(
+    result: CompareResult, reports: dict[str, str], baseline: Path, regen_command: str
+) -> str:
+    """The failure message of a breaching msprobe test, in the shape this module's docstring gives."""
+    c = result.counts()
+    steps, ranks = _steps_and_ranks(result)
+    lacking = (
+        f"the target lacks {len(result.missing)} step/rank dump(s) of the baseline; "
+        if result.missing
+        else ""
+    )
+    scope = f", steps {', '.join(map(str, steps))}" if steps else ""
+    if len(ranks) > 1:
+        scope += f", ranks {', '.join(map(str, ranks))}"
+    detail = f"({c['error']} error rows, {c['warning']} warnings, {c['unmatched']} unmatched; {result.mode} mode{scope})"
+    counts = f"{c['apis_error']} of {c['apis']} API calls breach the thresholds {detail}"
+    coverage = coverage_lines(result, "--msprobe-max-unmatched=SHARE or the marker's max_unmatched=")
+    if coverage:
+        # what was not compared leads: the verdict of the rows that were says little about the run
+        lines = [f"msprobe: {lacking}{coverage[0]}", *coverage[1:]]
+        if not c["apis_error"]:
+            lines.append(f"of what was compared, no API call breaches the thresholds {detail}")
+        else:
+            lines.append(f"of what was compared, {counts}")
+    else:
+        lines = [f"msprobe: {lacking}{counts}"]
+    fd = result.first_divergence
+    if fd is not None:
+        lines.extend(_divergence_lines(fd, f"step {fd.step}, rank {fd.rank}"))
+    by_rank = rank_line(result)
+    if by_rank:
+        lines.append(by_rank)
+    if result.missing:
+        lines.append(f"missing in the target ({len(result.missing)} dump(s) the baseline has):")
+        lines.extend(f"  {note}" for note in result.missing[:5])
+        if len(result.missing) > 5:
+            lines.append(f"  ... and {len(result.missing) - 5} more")
+    rows = result.worst_rows()
+    if rows:
+        width = max(len(r.row) for r in rows)
+        lines.append("worst rows:")
+        lines.append(f"  {'row':<{width}}  {'metric':<16} {'value':>9}  {'allowed':>9}")
+        for r in rows:
+            lines.append(
+                f"  {r.row:<{width}}  {row_metric(r):<16} {fmt_number(r.error):>9}  {fmt_number(r.allowed):>9}"
+            )
+    lines.append(f"baseline: {baseline}")
+    lines.extend(_reports_lines(reports))
+    lines.append(f"if the new numbers are right, regenerate the baseline: {regen_command}")
+    return "\n".join(lines)
