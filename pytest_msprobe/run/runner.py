@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
-import fcntl
 import os
 import platform
 import shlex
 import shutil
 import sys
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +30,9 @@ from pytest_msprobe.errors import (
     DumpSizeError,
     MsprobeError,
 )
-from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root, read_manifest
+from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root
+from pytest_msprobe.run.fit import check_baseline, numbers
+from pytest_msprobe.run.folders import claim_folder, clear_folder, is_inside
 from pytest_msprobe.settings import SessionSettings, TestSettings, check_apart
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,122 +54,6 @@ class Outcome:
     result: CompareResult | None = None
     reports: dict[str, str] = field(default_factory=dict)
     advisor: str = ""  # the advisor's text, as written to its report (the HTML fragment shows it)
-
-
-def check_baseline(folder: Path, test: TestSettings | None = None) -> None:
-    """Raise DumpFormatError or BaselineError, naming the file and the problem, when the baseline in ``folder``
-    cannot be compared, or (given the test's settings) does not fit the test.
-
-    Checks every dump.json the compare would read, and the header of every tensor file they name, with the
-    compare's own checks (:func:`~pytest_msprobe.compare.validate.validate`), and our manifest; run before the
-    test body, so that a broken baseline is an error of the test's set-up rather than a failure after training.
-    """
-    from pytest_msprobe.compare.validate import validate
-
-    check = validate(folder)
-    manifest = read_manifest(folder)
-    if test is not None:
-        problems = fit_problems(check, manifest, test)
-        if problems:
-            raise BaselineMismatchError(
-                f"the baseline {folder} does not fit this test: {'; '.join(problems)}"
-            )
-
-
-def _numbers(values: Any) -> str:
-    values = sorted(values)
-    return ", ".join(map(str, values)) if values else "none"
-
-
-def fit_problems(check: Any, manifest: dict[str, Any] | None, test: TestSettings) -> list[str]:
-    """How a baseline differs from what the test runs: steps and ranks from what the folder holds; task, level
-    and seed from our manifest, or for a plain msprobe dump from its dump.json files. Empty when it fits."""
-    problems: list[str] = []
-    locations = check.locations
-    steps = {loc.step for loc in locations}
-    if steps != set(test.steps):
-        problems.append(f"it holds steps {_numbers(steps)}, the test dumps steps {_numbers(test.steps)}")
-    expected = set(range(test.world_size))
-    for step in sorted(s for s in steps if s is not None):
-        ranks = {loc.rank or 0 for loc in locations if loc.step == step}
-        if ranks != expected:
-            problems.append(
-                f"its step {step} holds rank(s) {_numbers(ranks)}, the test runs world_size={test.world_size} "
-                f"(ranks {_numbers(expected)})"
-            )
-            break
-    if manifest is not None:
-        task, level = manifest.get("task"), manifest.get("level")
-    else:  # a plain msprobe dump: what its dump.json files say
-        tasks = {"tensor" if h.task == "tensor" else "md5" if h.md5 else "statistics" for h in check.headers}
-        levels = {h.level for h in check.headers if h.level is not None}
-        task = tasks.pop() if len(tasks) == 1 else None
-        level = levels.pop() if len(levels) == 1 else None
-    if task is not None and task != test.task:
-        problems.append(f"it was dumped with task {task}, the test runs task {test.task}")
-    if level is not None and level != test.level:
-        problems.append(f"it was dumped at level {level}, the test runs level {test.level}")
-    seed = manifest.get("seed") if manifest is not None else None
-    if seed is not None and seed != test.seed:
-        problems.append(f"it was made with seed {seed}, the test runs seed {test.seed}")
-    return problems
-
-
-def claim_folder(base: Path) -> tuple[Path, int | None]:
-    """A run's own output folder: ``base`` itself unless another live run holds it (the same test in another
-    xdist worker or pytest session), else the first free ``base~2``, ``base~3``...; with the descriptor that
-    holds it (an exclusive flock on the folder, released when closed).
-
-    ``~`` never appears in a test's folder name, so no other test's folder can be taken. On a file system
-    without flock every run gets a folder named after its process and a random tag.
-    """
-    for n in range(1, 10_000):
-        path = base if n == 1 else base.with_name(f"{base.name}~{n}")
-        for _ in range(3):  # the folder may be removed by its previous holder between open and lock
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-            except OSError as exc:
-                raise ConfigError(
-                    f"{path}: cannot create the test's output folder ({exc.strerror or exc})"
-                ) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                break  # held by a live run: try the next name
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                own = base.with_name(f"{base.name}~{os.getpid()}-{uuid.uuid4().hex[:8]}")
-                own.mkdir(parents=True)
-                return own, None
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(path))
-            except OSError:
-                same = False
-            if same:
-                return path, fd
-            os.close(fd)
-    raise ConfigError(f"{base}: no free output folder for this test")  # pragma: no cover
-
-
-def _clear(folder: Path) -> None:
-    """Remove what an earlier run left in ``folder`` (held by this run), keeping the folder."""
-    for child in list(folder.iterdir()):
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                child.unlink()
-
-
-def _inside(path: str, folder: Path) -> bool:
-    try:
-        return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
-    except ValueError:
-        return False
 
 
 class _NoDump:
@@ -298,7 +181,7 @@ class MsprobeRun:
             except ConfigError:
                 self._release()
                 raise
-            _clear(self.output_dir)  # what an earlier run of this test left
+            clear_folder(self.output_dir)  # what an earlier run of this test left
         self.dump_dir = dump_dir if dump_dir is not None else self.output_dir / "dump"
         self.report_dir = self.output_dir / "compare"
         self.ranks_dir = self.output_dir / "ranks"  # the rank processes' logs and results
@@ -446,7 +329,7 @@ class MsprobeRun:
                     jobs=1 if os.environ.get("PYTEST_XDIST_WORKER") else None,
                 )
             except DumpFormatError as exc:  # found only now, e.g. a truncated tensor file
-                which = "baseline" if _inside(exc.path, baseline) else "dump"
+                which = "baseline" if is_inside(exc.path, baseline) else "dump"
                 raise BaselineError(f"unusable {which}: {exc}") from None
         advisor = advisor_text(result)
         reports = write_reports(result, self.report_dir, advisor)
@@ -474,9 +357,9 @@ class MsprobeRun:
         if self.world_size > 1 and len({r for _, r in lacking}) < self.world_size:
             which = ", ".join(f"step {s} of rank {r}" for s, r in lacking[:8])
         else:
-            which = f"step{'s' if len(steps) > 1 else ''} {_numbers(steps)}"
+            which = f"step{'s' if len(steps) > 1 else ''} {numbers(steps)}"
         raise ConfigError(
-            f"{self.nodeid}: {which} never ran{ran}, though the test dumps steps {_numbers(self.steps)}: "
+            f"{self.nodeid}: {which} never ran{ran}, though the test dumps steps {numbers(self.steps)}: "
             "run every requested step or change the marker's steps="
         )
 
