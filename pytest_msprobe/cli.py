@@ -31,7 +31,7 @@ PROG = "pytest-msprobe"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pytest_msprobe.compare.thresholds import add_threshold_options
+    from pytest_msprobe.options import add_threshold_options
 
     parser = argparse.ArgumentParser(prog=PROG, description="Precision tools for msprobe-format dumps.")
     # msprobe's own command line takes the framework before the command (msprobe -f pytorch compare ...)
@@ -158,7 +158,7 @@ def _from_compare_json(path: str) -> tuple[str, str, str | None]:
 def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pytest_msprobe.compare.engine import compare
     from pytest_msprobe.compare.load import read_stack_file
-    from pytest_msprobe.compare.thresholds import thresholds_from_options
+    from pytest_msprobe.options import thresholds_from_options
     from pytest_msprobe.report import console_summary, write_reports
 
     stack_path = None

@@ -13,13 +13,7 @@ from typing import Any
 
 from pytest_msprobe.compare.engine import compare
 from pytest_msprobe.compare.result import ApiResult, CompareResult, Divergence, RowResult
-from pytest_msprobe.compare.thresholds import (
-    ApiRule,
-    Thresholds,
-    Tolerance,
-    add_threshold_options,
-    thresholds_from_options,
-)
+from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
 from pytest_msprobe.compare.validate import DumpCheck, validate
 
 __all__ = [
@@ -31,9 +25,7 @@ __all__ = [
     "RowResult",
     "Thresholds",
     "Tolerance",
-    "add_threshold_options",
     "compare",
-    "thresholds_from_options",
     "validate",
 ]
 

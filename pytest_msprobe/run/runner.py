@@ -32,8 +32,9 @@ from pytest_msprobe.errors import (
     DumpSizeError,
     MsprobeError,
 )
+from pytest_msprobe.options import check_apart
 from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root, read_manifest
-from pytest_msprobe.settings import SessionSettings, TestSettings, check_apart
+from pytest_msprobe.run.settings import SessionSettings, TestSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
