@@ -149,14 +149,21 @@ def check_seconds(value: Any, where: str) -> float:
 
 # the threshold options' command-line text, as argparse's ``type=`` reads it (and the plugin reads ini lines and
 # marker values): errors are argparse's, which the options module turns into ConfigError naming where
-def parse_nonnegative(text: str) -> float:
+def parse_number(text: str, minimum: float = 0, whole: bool = False) -> float:
+    """A number at least ``minimum`` (a whole one with ``whole``), for argparse's ``type=``."""
     try:
-        value = float(text)
+        value = int(text) if whole else float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if math.isnan(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a {'whole ' if whole else ''}number, got {text!r}"
+        ) from None
+    if math.isnan(value) or value < minimum:
+        raise argparse.ArgumentTypeError(f"expected a number >= {minimum:g}, got {text!r}")
     return value
+
+
+def parse_nonnegative(text: str) -> float:
+    return parse_number(text)
 
 
 def parse_amplification(text: str) -> float:
