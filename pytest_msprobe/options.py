@@ -92,9 +92,8 @@ def _shared(name: str, **fields: Any) -> Option:
 
 
 def _msprobe_rule(value: Any, where: str) -> bool:
-    return not settings.check_flag(
-        value, where
-    )  # the marker's msprobe_rule=False is --msprobe-no-msprobe-rule
+    # the marker says msprobe_rule=False where the command line says --msprobe-no-msprobe-rule
+    return not settings.check_flag(value, where)
 
 
 # ------------------------------------------------------------------------------------------------ the table
@@ -297,10 +296,8 @@ def add_pytest_options(parser: Any) -> None:
         if opt.flag is not None:
             group.addoption(opt.flag, **_argparse_kwargs(opt, opt.dest))
     for opt in OPTIONS:
-        if opt.ini is not None:
-            extra = (
-                {"default": None} if opt.folder else {}
-            )  # a folder: set to nothing is refused, not "unset"
+        if opt.ini is not None:  # a folder's default is None: set to nothing, it is refused, not "unset"
+            extra = {"default": None} if opt.folder else {}
             parser.addini(opt.ini, opt.text(opt.ini_help), type=opt.ini_type, **extra)
 
 
@@ -393,9 +390,8 @@ RTOL, WARN_RTOL, ATOL, DTYPE_RTOL = THRESHOLD_OPTIONS[:4]
 
 def _thresholds(layers: Layers, ini_dir: Path) -> Thresholds:
     """Thresholds from the layers (highest first) over the thresholds file and the built-in table."""
-    values = {
-        opt.name: _top(opt, layers, ini_dir) for opt in THRESHOLD_OPTIONS
-    }  # checked in the table's order
+    # each setting's value from its highest layer, checked in the table's order
+    values = {opt.name: _top(opt, layers, ini_dir) for opt in THRESHOLD_OPTIONS}
     base = load_thresholds_file(values["thresholds"]) if values["thresholds"] else Thresholds()
     dtypes = dict(base.dtypes)
     pairs: dict[int, list[tuple[str, float]]] = {}  # each layer's dtype_rtol, read once
@@ -429,11 +425,9 @@ def _thresholds(layers: Layers, ini_dir: Path) -> Thresholds:
 
 def thresholds_from_options(options: Any, prefix: str = "") -> Thresholds:
     """Thresholds from parsed options (argparse Namespace, pytest Config or a mapping of destinations)."""
-    dest = prefix.replace("-", "_")
-    get = getter(options)
-    return _thresholds(
-        _layers(THRESHOLD_OPTIONS, lambda opt: get(dest + opt.name), {}, lambda _: None), Path()
-    )
+    dest, get = prefix.replace("-", "_"), getter(options)
+    layers = _layers(THRESHOLD_OPTIONS, lambda opt: get(dest + opt.name), {}, lambda _: None)
+    return _thresholds(layers, Path())
 
 
 # ------------------------------------------------------------------------------------------------ settings
