@@ -31,7 +31,8 @@ PROG = "pytest-msprobe"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pytest_msprobe.compare.thresholds import add_threshold_options
+    from pytest_msprobe.options import add_threshold_options
+    from pytest_msprobe.run.settings import parse_number
 
     parser = argparse.ArgumentParser(prog=PROG, description="Precision tools for msprobe-format dumps.")
     # msprobe's own command line takes the framework before the command (msprobe -f pytorch compare ...)
@@ -96,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "-j",
         "--jobs",
-        type=_positive_int,
+        type=lambda text: int(parse_number(text, minimum=1, whole=True)),
         default=None,
         metavar="N",
         help="processes comparing the dump pairs (step, rank) in parallel; a single pair spreads its tensor "
@@ -108,16 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     add_threshold_options(cmp.add_argument)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
-    return value
 
 
 def _resolve(value: str, compare_json: str) -> str:
@@ -158,7 +149,7 @@ def _from_compare_json(path: str) -> tuple[str, str, str | None]:
 def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pytest_msprobe.compare.records import read_stack_file
     from pytest_msprobe.compare.run import compare
-    from pytest_msprobe.compare.thresholds import thresholds_from_options
+    from pytest_msprobe.options import thresholds_from_options
     from pytest_msprobe.report import console_summary, write_reports
 
     stack_path = None

@@ -1,8 +1,9 @@
 """pytest glue: options, marker, the ``msprobe`` fixture, and the hooks that turn a compare into a test result.
 
-Thin by design: settings are resolved in :mod:`.settings`, a test's run lives in :mod:`.runner`, reports are
-written by :mod:`.report`. Without ``--msprobe-baseline`` (or ini ``msprobe_baseline``) the plugin stays out of
-the way: msprobe tests run their training steps without dumping or comparing.
+Thin by design: options are declared and resolved by :mod:`pytest_msprobe.options`, a test's run lives in
+:mod:`pytest_msprobe.run.runner`, reports are written by :mod:`pytest_msprobe.report`. Without
+``--msprobe-baseline`` (or ini ``msprobe_baseline``) the plugin stays out of the way: msprobe tests run their
+training steps without dumping or comparing.
 
 Outcomes: a precision breach, a missing baseline or a dump problem of the test itself (nothing dumped, the size
 limit) is a FAILED test from the call phase. A baseline that cannot be used or written leaves the test without a
@@ -18,7 +19,6 @@ told its part by the hidden option ``--msprobe-rank-spec``.
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Generator
 from pathlib import Path
@@ -27,79 +27,28 @@ from typing import Any
 import pytest
 
 from pytest_msprobe.errors import BaselineError, MsprobeError
-from pytest_msprobe.settings import INI_KEYS, SessionSettings, resolve_session, resolve_test
+from pytest_msprobe.options import (
+    BASELINE,
+    MARKER_HELP,
+    RANK_SPEC,
+    add_pytest_options,
+    resolve_session,
+    resolve_test,
+)
+from pytest_msprobe.run.settings import SessionSettings
 
 SESSION_KEY = pytest.StashKey[SessionSettings]()
 RANK_KEY = pytest.StashKey[Any]()  # in a rank process: its rank_worker.RankProcess
 RUN_KEY = pytest.StashKey[Any]()  # the item's MsprobeRun
 OUTCOME_KEY = pytest.StashKey[Any]()  # the item's runner.Outcome
 VERDICT = "msprobe_verdict"  # user property: passed, failed, missing, regenerated or error
+# junitxml property: the baseline a test used (a property name that is the ini key's word, not the ini key)
+BASELINE_PROPERTY = "msprobe_baseline"
 REASON = "msprobe_reason"  # user property: one line, why a test that compared nothing failed or errored
-_LIST_INI = {"msprobe_dtype_rtol", "msprobe_api_rtol", "msprobe_skip_api"}
-_PATH_INI = {"msprobe_baseline", "msprobe_output"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    from pytest_msprobe.compare.thresholds import add_threshold_options
-
-    group = parser.getgroup("msprobe", "precision regression testing against msprobe-format baselines")
-    group.addoption(
-        "--msprobe-baseline",
-        dest="msprobe_baseline",
-        metavar="DIR",
-        help="folder of per-test baseline dumps; turns on dumping and comparing (ini: msprobe_baseline)",
-    )
-    group.addoption(
-        "--msprobe-regen-baseline",
-        dest="msprobe_regen_baseline",
-        action="store_true",
-        default=False,
-        help="write each msprobe test's dump as its baseline instead of comparing (ini: msprobe_regen_baseline)",
-    )
-    group.addoption(
-        "--msprobe-output",
-        dest="msprobe_output",
-        metavar="DIR",
-        help="folder for this run's dumps and reports (default: msprobe-output; ini: msprobe_output)",
-    )
-    group.addoption(
-        "--msprobe-device",
-        dest="msprobe_device",
-        metavar="DEVICE",
-        help="auto, cpu, cuda or npu; auto picks npu, then cuda, then cpu (ini: msprobe_device)",
-    )
-    group.addoption(
-        "--msprobe-max-dump-size",
-        dest="msprobe_max_dump_size",
-        metavar="SIZE",
-        help="stop a test's tensor dump before its files take more than SIZE, e.g. 500MB or 2GiB "
-        "(ini: msprobe_max_dump_size; marker: max_dump_size=)",
-    )
-    group.addoption(
-        "--msprobe-keep-dumps",
-        dest="msprobe_keep_dumps",
-        action="store_true",
-        default=False,
-        help="keep the dumps of passing tests and regenerated baselines; by default only those of tests that "
-        "fail or error stay in --msprobe-output (ini: msprobe_keep_dumps)",
-    )
-    group.addoption(
-        "--msprobe-rank-timeout",
-        dest="msprobe_rank_timeout",
-        metavar="SECONDS",
-        help="stop the rank processes of a multi-rank test (marker world_size=N) that have not finished after "
-        "SECONDS, start-up included, and fail the test (default: 600; ini: msprobe_rank_timeout; marker: "
-        "rank_timeout=)",
-    )
-    group.addoption("--msprobe-rank-spec", dest="msprobe_rank_spec", help=argparse.SUPPRESS)
-    add_threshold_options(group.addoption, prefix="msprobe-")
-    for key, text in INI_KEYS.items():
-        if key in _LIST_INI:
-            parser.addini(key, text, type="linelist")
-        elif key in _PATH_INI:  # None when unset: an empty value is an error, not "no baseline"
-            parser.addini(key, text, type="string", default=None)
-        else:
-            parser.addini(key, text, type="string")
+    add_pytest_options(parser)
 
 
 def _ini_dir(config: pytest.Config) -> Path:
@@ -107,19 +56,12 @@ def _ini_dir(config: pytest.Config) -> Path:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "msprobe(task='statistics', level='L1', steps=[0, 1], seed=1234, rtol=..., api_rtol={...}, ...): "
-        "dump this test's training steps and compare them with the test's baseline (see the msprobe fixture)",
-    )
+    config.addinivalue_line("markers", MARKER_HELP)
     try:
         config.stash[SESSION_KEY] = resolve_session(
-            lambda name: config.getoption(name, None),
-            config.getini,
-            Path(config.invocation_params.dir),
-            _ini_dir(config),
+            config, config.getini, Path(config.invocation_params.dir), _ini_dir(config)
         )
-        spec = config.getoption("msprobe_rank_spec", None)
+        spec = config.getoption(RANK_SPEC.dest, None)
         if spec is None and config.stash[SESSION_KEY].active:
             _refuse_external_ranks(os.environ)
         if spec is not None:
@@ -178,7 +120,7 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
         if marker is not None and marker.args:
             raise MsprobeError(f"@pytest.mark.msprobe takes keywords only, got {marker.args!r}")
         settings = resolve_test(
-            lambda name: config.getoption(name, None),
+            config,
             marker.kwargs if marker is not None else {},
             config.getini,
             _ini_dir(config),
@@ -267,7 +209,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         item.user_properties.append((VERDICT, verdict))
         item.user_properties.append((REASON, _first_line(problem)))
         if run.baseline_dir is not None:
-            item.user_properties.append(("msprobe_baseline", str(run.baseline_dir)))
+            item.user_properties.append((BASELINE_PROPERTY, str(run.baseline_dir)))
         pytest.fail(f"msprobe: {problem}", pytrace=False)
     item.stash[OUTCOME_KEY] = outcome
     # on the item, so that the call and teardown reports (junitxml reads the latter) both carry them
@@ -277,7 +219,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     if fd is not None and fd.rank is not None:  # a multi-rank dump: the rank the error entered on
         item.user_properties.append(("msprobe_first_divergence_rank", fd.rank))
     if outcome.baseline is not None:
-        item.user_properties.append(("msprobe_baseline", str(outcome.baseline)))
+        item.user_properties.append((BASELINE_PROPERTY, str(outcome.baseline)))
     if outcome.kind in (FAILED, MISSING):
         item.user_properties.append((REASON, _first_line(outcome.message.removeprefix("msprobe: "))))
         pytest.fail(outcome.message, pytrace=False)
@@ -349,7 +291,7 @@ class _Summary:
                 if "msprobe_first_divergence_rank" in props:
                     detail += f" on rank {props['msprobe_first_divergence_rank']}"
             else:  # a test that compared nothing says why; a pass or a regeneration where its baseline is
-                detail = str(props.get(REASON) or props.get("msprobe_baseline", ""))
+                detail = str(props.get(REASON) or props.get(BASELINE_PROPERTY, ""))
             self.lines.append((report.nodeid, str(props[VERDICT]), str(detail)))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -358,7 +300,7 @@ class _Summary:
         tr = terminalreporter
         tr.section("msprobe")
         if not self.session.active:
-            tr.write_line("no --msprobe-baseline: msprobe tests ran their training steps without comparing")
+            tr.write_line(f"no {BASELINE.flag}: msprobe tests ran their training steps without comparing")
             return
         for nodeid, verdict, detail in self.lines:
             tr.write_line(f"{verdict.upper():<12} {nodeid}" + (f"  ({detail})" if detail else ""))

@@ -23,6 +23,7 @@ from pytest_msprobe.compare.result import (
     row_metric,
     unmatched_share,
 )
+from pytest_msprobe.options import BY_NAME
 from pytest_msprobe.report.summary import rank_summaries
 
 
@@ -154,7 +155,8 @@ def failure_message(
         scope += f", ranks {', '.join(map(str, ranks))}"
     detail = f"({c['error']} error rows, {c['warning']} warnings, {c['unmatched']} unmatched; {result.mode} mode{scope})"
     counts = f"{c['apis_error']} of {c['apis']} API calls breach the thresholds {detail}"
-    coverage = coverage_lines(result, "--msprobe-max-unmatched=SHARE or the marker's max_unmatched=")
+    limit = BY_NAME["max_unmatched"]
+    coverage = coverage_lines(result, f"{limit.flag}=SHARE or the marker's {limit.marker}=")
     if coverage:
         # what was not compared leads: the verdict of the rows that were says little about the run
         lines = [f"msprobe: {lacking}{coverage[0]}", *coverage[1:]]

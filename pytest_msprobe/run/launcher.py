@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.format.files import read_json
+from pytest_msprobe.options import RANK_SPEC
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-SPEC_OPTION = "--msprobe-rank-spec"
+SPEC_OPTION = RANK_SPEC.flag
 DEFAULT_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 MASTER_ADDR = "127.0.0.1"
 STACK_SIGNAL = signal.SIGUSR1  # asks a rank for its Python stacks (faulthandler) before it is killed

@@ -7,6 +7,7 @@ import os
 import signal
 from collections.abc import Sequence
 
+from pytest_msprobe.options import RANK_TIMEOUT
 from pytest_msprobe.run.launcher import RankExit
 
 
@@ -71,8 +72,8 @@ def rank_failure(exits: Sequence[RankExit], nodeid: str, timeout: float) -> tupl
     if late:
         lines = [
             f"{_names(late)} of {n} did not finish within {timeout:g} s and "
-            f"{'was' if len(late) == 1 else 'were'} stopped (raise --msprobe-rank-timeout or the marker's "
-            f"rank_timeout=){_others(exits, late)}"
+            f"{'was' if len(late) == 1 else 'were'} stopped (raise {RANK_TIMEOUT.flag} or the marker's "
+            f"{RANK_TIMEOUT.marker}=){_others(exits, late)}"
         ]
         for e in late:
             if e.stack.strip():

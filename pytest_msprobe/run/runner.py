@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_msprobe import __version__
+from pytest_msprobe import __version__, options
 from pytest_msprobe.dump.determinism import SEED_ENV, seed_all
 from pytest_msprobe.errors import (
     BaselineError,
@@ -30,10 +30,11 @@ from pytest_msprobe.errors import (
     DumpSizeError,
     MsprobeError,
 )
+from pytest_msprobe.options import check_apart
 from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root
 from pytest_msprobe.run.fit import check_baseline, numbers
 from pytest_msprobe.run.folders import claim_folder, clear_folder, is_inside
-from pytest_msprobe.settings import SessionSettings, TestSettings, check_apart
+from pytest_msprobe.run.settings import SessionSettings, TestSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -377,8 +378,8 @@ class MsprobeRun:
         if isinstance(error, DumpSizeError):
             return (
                 f"dump of {self.nodeid} reached the {error.limit} limit at {error.row}; raise "
-                "--msprobe-max-dump-size (or the marker's max_dump_size=) or dump fewer steps / use task "
-                "statistics"
+                f"{options.MAX_DUMP_SIZE.flag} (or the marker's {options.MAX_DUMP_SIZE.marker}=) or dump fewer "
+                "steps / use task statistics"
             )
         return str(error)
 
@@ -387,5 +388,5 @@ class MsprobeRun:
         test = shlex.quote(self.nodeid)
         if not test.startswith("'"):  # shlex leaves safe ids bare; quoted, they read the same
             test = f"'{test}'"
-        baseline = shlex.quote(f"--msprobe-baseline={self.session.baseline}")
-        return f"pytest {test} {baseline} --msprobe-regen-baseline"
+        baseline = shlex.quote(f"{options.BASELINE.flag}={self.session.baseline}")
+        return f"pytest {test} {baseline} {options.REGEN.flag}"

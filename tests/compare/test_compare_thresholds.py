@@ -13,13 +13,12 @@ from pytest_msprobe.compare.thresholds import (
     ApiRule,
     Thresholds,
     Tolerance,
-    add_threshold_options,
     load_thresholds_file,
     normalize_dtype,
     thresholds_from_dict,
-    thresholds_from_options,
 )
 from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.options import add_threshold_options, thresholds_from_options
 
 
 def test_defaults_scale_with_the_precision_of_the_dtype() -> None:
@@ -206,7 +205,7 @@ def test_options_declared_through_pytest(tmp_path: Path) -> None:
     import sys
 
     (tmp_path / "conftest.py").write_text(
-        "from pytest_msprobe.compare.thresholds import thresholds_from_options\n"
+        "from pytest_msprobe.options import thresholds_from_options\n"
         "def pytest_configure(config):\n"
         "    config.thresholds = thresholds_from_options(config, 'msprobe-')\n"
     )

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.options import resolve_test
 from pytest_msprobe.run.launcher import RankExit, run_processes
 from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
-from pytest_msprobe.settings import DEFAULT_RANK_TIMEOUT, resolve_test
+from pytest_msprobe.run.settings import DEFAULT_RANK_TIMEOUT
 
 BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
 

@@ -1,0 +1,512 @@
+"""Every option of pytest-msprobe in one table, and everything generated from it.
+
+Each :class:`Option` names its pytest command-line flag, ini key and marker keyword (nowhere else spells
+them), its parser, default and help. From the table come pytest's ``addoption``/``addini``
+(:func:`add_pytest_options`), the marker's known keywords, the ``pytest-msprobe compare`` arguments it shares
+(:func:`add_threshold_options`) and the resolution of a session's and a test's settings
+(:func:`resolve_session`, :func:`resolve_test`).
+
+Precedence: the highest layer that gives a setting wins, layers being the command line > the test's marker >
+the ini file > a thresholds file (``thresholds=``) > the built-in defaults. The tolerance of a dtype is one
+setting: for each dtype, the highest layer that says anything about it decides all of it. A global ``rtol``,
+``warn_rtol`` or ``atol`` speaks for every floating dtype of its layer, and within one layer a per-dtype
+``dtype_rtol`` beats it. So ``--msprobe-rtol 0.5`` with a marker's ``dtype_rtol={"float32": 1e-3}`` holds
+float32 and float16 to 0.5; the marker alone holds float32 to 1e-3. Scalars (``amplification``,
+``max_unmatched``...) and lists (``api_rtol``, ``skip_api``) are taken whole from the highest layer that gives
+them.
+
+A bad value raises ConfigError quoting it and where it came from; a value that a higher layer overrides is
+never checked, as it never counts. This module imports neither pytest (the plugin hands it pytest's parser and
+getters) nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_msprobe.compare.thresholds import FLOATING, ApiRule, Thresholds, Tolerance, load_thresholds_file
+from pytest_msprobe.dump.config import LEVELS, TASKS, parse_size
+from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.run import settings
+from pytest_msprobe.run.settings import DEFAULT_RANK_TIMEOUT, SessionSettings, TestSettings
+
+Getter = Callable[[str], Any]
+Check = Callable[[Any, str], Any]  # (value, where it was given) -> the value, or ConfigError quoting both
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: where it may be given, how its values are read, its default. ``help`` and ``ini_help`` may
+    say ``{flag}``, ``{ini}``, ``{marker}`` and ``{default}``."""
+
+    name: str  # what resolution calls it; the offline ``pytest-msprobe compare`` takes a shared one as --NAME
+    flag: str | None = None  # pytest's command-line flag; its destination is the flag in underscores
+    ini: str | None = None
+    marker: str | None = None  # keyword of @pytest.mark.msprobe
+    default: Any = None  # below every layer
+    help: str = ""
+    ini_help: str = ""
+    metavar: str | None = None
+    action: str | None = None  # argparse's: store_true, append
+    type: Callable[[str], Any] | None = None  # argparse's parser of command-line text
+    # reads marker and ini values, and command-line text argparse left as text (shared: as argparse would)
+    check: Check | None = None
+    ini_type: str = "string"
+    shared: bool = False  # a threshold option: the offline CLI takes it too
+    # paths from the command line start where pytest started, from the ini at the ini file; an ini key set to
+    # nothing is given (its check refuses it: "unset" would turn the gate off without a word): ini default None
+    folder: bool = False
+    blank_cli: str = "value"  # an empty command-line value is a "value", "refused" or "unset"
+    ini_path: bool = False  # a file: an ini value is relative to the ini file
+    check_names_it: bool = False  # the check's messages name the keyword: a marker's "where" need not
+
+    @property
+    def dest(self) -> str:
+        assert self.flag is not None
+        return self.flag[2:].replace("-", "_")
+
+    def text(self, template: str) -> str:
+        default = format(self.default, "g") if isinstance(self.default, float) else str(self.default)
+        fields = {"flag": self.flag, "ini": self.ini, "marker": self.marker, "default": default}
+        for key, value in fields.items():
+            template = template.replace("{" + key + "}", str(value))
+        return template
+
+
+def _size(value: Any, where: str) -> int | None:
+    return None if value is None else parse_size(value, where)  # a marker's None lifts the ini's limit
+
+
+def _choice(choices: tuple[str, ...], what: str) -> Check:
+    return lambda value, where: settings.check_choice(value, choices, what, where)
+
+
+def _shared(name: str, **fields: Any) -> Option:
+    """A threshold option: the offline CLI takes it too."""
+    return Option(name, shared=True, **fields)
+
+
+def _msprobe_rule(value: Any, where: str) -> bool:
+    # the marker says msprobe_rule=False where the command line says --msprobe-no-msprobe-rule
+    return not settings.check_flag(value, where)
+
+
+# ------------------------------------------------------------------------------------------------ the table
+# a table, laid out by hand: one entry per option, its spellings first
+# fmt: off
+BASELINE = Option(
+    "baseline", flag="--msprobe-baseline", ini="msprobe_baseline",
+    metavar="DIR", folder=True, check=settings.check_given,
+    help="folder of per-test baseline dumps; turns on dumping and comparing (ini: {ini})",
+    ini_help="folder of baselines; enables the precision comparison ({flag})",
+)
+REGEN = Option(
+    "regen_baseline", flag="--msprobe-regen-baseline", ini="msprobe_regen_baseline",
+    default=False, action="store_true", check=settings.check_flag,
+    help="write each msprobe test's dump as its baseline instead of comparing (ini: {ini})",
+    ini_help="true: write the baselines instead of comparing ({flag})",
+)
+OUTPUT = Option(
+    "output", flag="--msprobe-output", ini="msprobe_output",
+    default="msprobe-output", metavar="DIR", folder=True, check=settings.check_given,
+    help="folder for this run's dumps and reports (default: {default}; ini: {ini})",
+    ini_help="folder for this run's dumps and reports (default: {default})",
+)
+DEVICE = Option(
+    "device", flag="--msprobe-device", ini="msprobe_device",
+    default="auto", metavar="DEVICE", check=settings.check_device, blank_cli="refused",
+    help="auto, cpu, cuda or npu; auto picks npu, then cuda, then cpu (ini: {ini})",
+    ini_help="auto, cpu, cuda or npu (default: {default})",
+)
+TASK = Option(
+    "task", ini="msprobe_task", marker="task",
+    default="statistics", check=_choice(TASKS, "task"), check_names_it=True,
+    ini_help=f"default task of msprobe tests: {', '.join(TASKS)} (default: {{default}})",
+)
+LEVEL = Option(
+    "level", ini="msprobe_level", marker="level",
+    default="L1", check=_choice(LEVELS, "level"), check_names_it=True,
+    ini_help=f"default level of msprobe tests: {', '.join(LEVELS)} (default: {{default}})",
+)
+STEPS = Option(
+    "steps", ini="msprobe_steps", marker="steps",
+    default=(0, 1), check=settings.check_steps, check_names_it=True,
+    ini_help="default dumped steps of msprobe tests, e.g. '0 1' (default: 0 1)",
+)
+SEED = Option(
+    "seed", ini="msprobe_seed", marker="seed",
+    default=1234, check=settings.check_seed, check_names_it=True,
+    ini_help="default seed of msprobe tests (default: {default})",
+)
+MAX_DUMP_SIZE = Option(
+    "max_dump_size", flag="--msprobe-max-dump-size", ini="msprobe_max_dump_size", marker="max_dump_size",
+    metavar="SIZE", check=_size, blank_cli="unset",
+    help="stop a test's tensor dump before its files take more than SIZE, e.g. 500MB or 2GiB "
+    "(ini: {ini}; marker: {marker}=)",
+    ini_help="most a test's tensor files may take, e.g. 500MB or 2GiB ({flag})",
+)
+KEEP_DUMPS = Option(
+    "keep_dumps", flag="--msprobe-keep-dumps", ini="msprobe_keep_dumps",
+    default=False, action="store_true", check=settings.check_flag,
+    help="keep the dumps of passing tests and regenerated baselines; by default only those of tests that "
+    "fail or error stay in --msprobe-output (ini: {ini})",
+    ini_help="true: keep the dumps of passing tests and regenerated baselines ({flag})",
+)
+WORLD_SIZE = Option(
+    "world_size", marker="world_size", default=1, check=settings.check_world_size, check_names_it=True,
+)
+BACKEND = Option("backend", marker="backend", check=settings.check_backend, check_names_it=True)
+RANK_TIMEOUT = Option(
+    "rank_timeout", flag="--msprobe-rank-timeout", ini="msprobe_rank_timeout", marker="rank_timeout",
+    default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS", check=settings.check_seconds,
+    help="stop the rank processes of a multi-rank test (marker world_size=N) that have not finished after "
+    "SECONDS, start-up included, and fail the test (default: {default}; ini: {ini}; marker: {marker}=)",
+    ini_help="seconds the rank processes of a multi-rank test may take ({flag}; default: {default})",
+)
+# a rank process's part of its test, given by the plugin
+RANK_SPEC = Option("rank_spec", flag="--msprobe-rank-spec", help=argparse.SUPPRESS)
+THRESHOLD_OPTIONS = (
+    _shared(
+        "rtol", flag="--msprobe-rtol", ini="msprobe_rtol", marker="rtol",
+        metavar="FLOAT", type=settings.parse_nonnegative,
+        help="error tolerance (scaled error) for every floating dtype, replacing the dtype table "
+        "(float32 default 1e-4); the warning level follows at a tenth unless set",
+        ini_help="error tolerance (scaled error) of every floating dtype",
+    ),
+    _shared(
+        "warn_rtol", flag="--msprobe-warn-rtol", ini="msprobe_warn_rtol", marker="warn_rtol",
+        metavar="FLOAT", type=settings.parse_nonnegative,
+        help="warning level (scaled error) for every floating dtype",
+        ini_help="warning level (scaled error) of every floating dtype",
+    ),
+    _shared(
+        "atol", flag="--msprobe-atol", ini="msprobe_atol", marker="atol",
+        metavar="FLOAT", type=settings.parse_nonnegative,
+        help="absolute differences at or below this never count (float32 default 1e-12)",
+        ini_help="absolute differences at or below this never count",
+    ),
+    _shared(
+        "dtype_rtol", flag="--msprobe-dtype-rtol", ini="msprobe_dtype_rtol", marker="dtype_rtol",
+        metavar="DTYPE=FLOAT", action="append", type=settings.parse_dtype_pair, ini_type="linelist",
+        help="error tolerance of one dtype, e.g. bfloat16=0.03 (repeatable)",
+        ini_help="lines of DTYPE=FLOAT: error tolerance of one dtype",
+    ),
+    _shared(
+        "api_rtol", flag="--msprobe-api-rtol", ini="msprobe_api_rtol", marker="api_rtol",
+        metavar="PATTERN=FLOAT", action="append", type=settings.parse_pair, ini_type="linelist",
+        help="error tolerance of the APIs (or rows) matching a glob, e.g. 'Functional.softmax.*=1e-3' "
+        "(repeatable)",
+        ini_help="lines of GLOB=FLOAT: error tolerance of matching APIs or rows",
+    ),
+    _shared(
+        "skip_api", flag="--msprobe-skip-api", ini="msprobe_skip_api", marker="skip_api",
+        metavar="PATTERN", action="append", ini_type="linelist",
+        help="report the APIs (or rows) matching a glob but never fail on them (repeatable)",
+        ini_help="lines of GLOB: report matching APIs but never fail on them",
+    ),
+    _shared(
+        "amplification", flag="--msprobe-amplification", ini="msprobe_amplification", marker="amplification",
+        metavar="FACTOR", type=settings.parse_amplification,
+        help="when errors already flow in, the first divergence is the first API whose output error is "
+        "FACTOR times its input error (default 10)",
+        ini_help="output/input error ratio that places the first divergence when errors flow in",
+    ),
+    _shared(
+        "max_unmatched", flag="--msprobe-max-unmatched", ini="msprobe_max_unmatched", marker="max_unmatched",
+        metavar="SHARE", type=settings.parse_share_option,
+        help="fail when more than SHARE of the baseline's rows in a dump pair (step, rank) found no partner "
+        "in the target, e.g. 5%% or 0.05 (default 5%%; 0: every baseline row must pair)",
+        ini_help="most of a dump pair's baseline rows that may find no partner in the target (5% or 0.05)",
+    ),
+    _shared(
+        "thresholds", flag="--msprobe-thresholds", ini="msprobe_thresholds", marker="thresholds",
+        metavar="FILE", ini_path=True,
+        help="JSON file of thresholds ({'dtypes': {...}, 'apis': [...], 'amplification': ..., "
+        "'msprobe_rule': ..., 'max_unmatched': ...}); the options above override it",
+        ini_help="JSON file of thresholds",
+    ),
+    _shared(
+        "no_msprobe_rule", flag="--msprobe-no-msprobe-rule", marker="msprobe_rule",
+        default=False, action="store_true", check=_msprobe_rule,
+        help="tensor mode: do not also apply msprobe 8.3.3's cosine / MaxAbsErr accuracy rule",
+    ),
+)
+OPTIONS: tuple[Option, ...] = (
+    BASELINE, REGEN, OUTPUT, DEVICE, TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, KEEP_DUMPS, WORLD_SIZE, BACKEND,
+    RANK_TIMEOUT, RANK_SPEC, *THRESHOLD_OPTIONS,
+)
+# fmt: on
+BY_NAME = {opt.name: opt for opt in OPTIONS}
+_THRESHOLDS = {opt.name: opt for opt in THRESHOLD_OPTIONS}
+MARKER_KEYS = frozenset(opt.marker for opt in OPTIONS if opt.marker is not None)
+MARKER_HELP = (
+    f"msprobe(task={TASK.default!r}, level={LEVEL.default!r}, steps={list(STEPS.default)}, "
+    f"seed={SEED.default}, rtol=..., api_rtol={{...}}, ...): dump this test's training steps and compare "
+    "them with the test's baseline (see the msprobe fixture)"
+)
+
+
+def parse_threshold_value(name: str, value: Any, where: str) -> Any:
+    """Parse a threshold setting given as text or as a Python value (an ini line, a marker keyword).
+
+    ``name`` is an option destination without prefix (``rtol``, ``dtype_rtol``...). List options take a list
+    of ``NAME=NUMBER`` strings or, for the two ``*_rtol`` ones, a mapping ``{NAME: NUMBER}``. The result has
+    the shape argparse would give; a bad value raises ConfigError naming ``where`` and quoting the value.
+    """
+    opt = _THRESHOLDS.get(name)
+    parse = (opt.type if opt is not None else None) or str
+    try:
+        if opt is not None and opt.action is None:
+            if isinstance(value, bool) or not isinstance(value, (str, int, float, os.PathLike)):
+                raise argparse.ArgumentTypeError(f"expected a number or text, got {value!r}")
+            return parse(os.fspath(value) if isinstance(value, os.PathLike) else str(value))
+        if opt is not None and opt.action == "append":
+            if isinstance(value, Mapping) and opt.type is not None:  # NAME=NUMBER items
+                items = [f"{k}={v}" for k, v in value.items()]
+            elif isinstance(value, str):
+                items = [line.strip() for line in value.splitlines() if line.strip()]
+            elif isinstance(value, (list, tuple)):
+                items = [str(v) for v in value]
+            else:
+                raise argparse.ArgumentTypeError(f"expected a list, got {value!r}")
+            return [parse(item) for item in items]
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    raise ConfigError(f"{where}: unknown threshold setting {name!r}")
+
+
+# -------------------------------------------------------------------------------------- pytest and argparse
+def _argparse_kwargs(opt: Option, dest: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"dest": dest, "default": opt.default if opt.action == "store_true" else None}
+    for key in ("action", "type", "metavar"):
+        if getattr(opt, key) is not None:
+            kwargs[key] = getattr(opt, key)
+    kwargs["help"] = opt.text(opt.help)
+    return kwargs
+
+
+def add_pytest_options(parser: Any) -> None:
+    """Declare every flag on pytest's ``msprobe`` option group and every ini key, on pytest's ``parser``."""
+    group = parser.getgroup("msprobe", "precision regression testing against msprobe-format baselines")
+    for opt in OPTIONS:
+        if opt.flag is not None:
+            group.addoption(opt.flag, **_argparse_kwargs(opt, opt.dest))
+    for opt in OPTIONS:
+        if opt.ini is not None:  # a folder's default is None: set to nothing, it is refused, not "unset"
+            extra = {"default": None} if opt.folder else {}
+            parser.addini(opt.ini, opt.text(opt.ini_help), type=opt.ini_type, **extra)
+
+
+def add_threshold_options(addoption: Callable[..., Any], prefix: str = "") -> None:
+    """Declare the threshold options on argparse's ``add_argument`` or pytest's ``group.addoption``.
+
+    ``prefix`` namespaces them (``"msprobe-"`` gives the plugin's ``--msprobe-rtol``); the destinations are
+    the option names with dashes as underscores, read back by :func:`thresholds_from_options` with the same
+    prefix.
+    """
+    for opt in THRESHOLD_OPTIONS:
+        flag = "--" + prefix + opt.name.replace("_", "-")
+        addoption(flag, **_argparse_kwargs(opt, prefix.replace("-", "_") + opt.name))
+
+
+def getter(options: Any) -> Getter:
+    """Values by destination from a getter, a pytest Config, a mapping or an argparse Namespace."""
+    if callable(options):
+        return options
+    if hasattr(options, "getoption"):  # a pytest Config
+        return lambda name: options.getoption(name, None)
+    if isinstance(options, Mapping):
+        return options.get
+    return lambda name: getattr(options, name, None)
+
+
+# ------------------------------------------------------------------------------------------------ layers
+CLI, MARKER, INI = range(3)
+Layers = Sequence[Mapping[str, tuple[Any, str]]]  # per layer: option name -> (value as given, where)
+
+
+def _given(opt: Option, layer: int, value: Any) -> bool:
+    if layer == CLI:  # argparse's default (None, or False for a switch) is "not given"
+        blank = value == "" and opt.blank_cli == "unset"
+        return not (value is None or value is False or (isinstance(value, list) and not value) or blank)
+    if layer == INI and opt.folder:  # set to nothing is a value (refused as empty)
+        return value is not None
+    return value not in (None, "", [])
+
+
+def _layers(
+    options: Sequence[Option],
+    cli: Callable[[Option], Any],
+    marker: Mapping[str, Any],
+    ini: Getter,
+    test: str = "this test",
+) -> Layers:
+    """What the command line (``cli`` gives an option's value), the marker and the ini file give of
+    ``options``, unchecked."""
+    where_marker = f"@pytest.mark.msprobe on {test}"
+    layers: tuple[dict[str, tuple[Any, str]], ...] = ({}, {}, {})
+    for opt in options:
+        if opt.flag is not None and _given(opt, CLI, value := cli(opt)):
+            layers[CLI][opt.name] = value, opt.flag
+        if opt.marker is not None and opt.marker in marker:
+            where = where_marker if opt.check_names_it else f"{where_marker}: {opt.marker}"
+            layers[MARKER][opt.name] = marker[opt.marker], where
+        if opt.ini is not None and _given(opt, INI, value := ini(opt.ini)):
+            layers[INI][opt.name] = value, f"ini {opt.ini}"
+    return layers
+
+
+def _read(opt: Option, layer: int, layers: Layers, ini_dir: Path) -> Any:
+    """The value ``layer`` gives, checked (ConfigError quoting it and where it was given)."""
+    value, where = layers[layer][opt.name]
+    if layer == CLI and (opt.type is not None or opt.action == "store_true"):
+        return value  # argparse parsed it
+    if layer == CLI and opt.blank_cli == "refused":
+        settings.check_given(value, where)
+    if layer == INI and opt.ini_path:
+        value = _path(value, ini_dir)
+    if opt.check is not None:
+        return opt.check(value, where)
+    return parse_threshold_value(opt.name, value, where) if opt.shared else value
+
+
+def _top(opt: Option, layers: Layers, ini_dir: Path) -> Any:
+    """The value of the highest layer that gives ``opt``, else its default."""
+    layer = next((layer for layer, given in enumerate(layers) if opt.name in given), None)
+    return opt.default if layer is None else _read(opt, layer, layers, ini_dir)
+
+
+def _path(value: Any, base: Path) -> Path:
+    path = Path(os.path.expanduser(os.fspath(value)))
+    return path if path.is_absolute() else base / path
+
+
+RTOL, WARN_RTOL, ATOL, DTYPE_RTOL = THRESHOLD_OPTIONS[:4]
+
+
+def _thresholds(layers: Layers, ini_dir: Path) -> Thresholds:
+    """Thresholds from the layers (highest first) over the thresholds file and the built-in table."""
+    # each setting's value from its highest layer, checked in the table's order
+    values = {opt.name: _top(opt, layers, ini_dir) for opt in THRESHOLD_OPTIONS}
+    base = load_thresholds_file(values["thresholds"]) if values["thresholds"] else Thresholds()
+    dtypes = dict(base.dtypes)
+    pairs: dict[int, list[tuple[str, float]]] = {}  # each layer's dtype_rtol, read once
+    for dtype, tol in base.dtypes.items():  # all of its tolerance from the highest layer that says anything
+        for layer, given in enumerate(layers):
+            if DTYPE_RTOL.name in given and layer not in pairs:
+                pairs[layer] = _read(DTYPE_RTOL, layer, layers, ini_dir)
+            own = [value for name, value in pairs.get(layer, ()) if name == dtype]
+            glob = dtype in FLOATING and any(opt.name in given for opt in (RTOL, WARN_RTOL, ATOL))
+            if glob:
+                rtol, warn, atol = (
+                    _read(opt, layer, layers, ini_dir) if opt.name in given else None
+                    for opt in (RTOL, WARN_RTOL, ATOL)
+                )
+                error = tol.error if rtol is None else rtol
+                warning = warn if warn is not None else (rtol / 10 if rtol is not None else tol.warning)
+                tol = Tolerance(error, min(warning, error), tol.atol if atol is None else atol)
+            for value in own:  # within its layer a dtype's own tolerance beats the global one
+                tol = Tolerance(value, value / 10, tol.atol)
+            if glob or own:
+                dtypes[dtype] = tol
+                break
+    rules = list(base.apis)
+    rules.extend(ApiRule(pattern, error=value) for pattern, value in values["api_rtol"] or ())
+    rules.extend(ApiRule(pattern, skip=True) for pattern in values["skip_api"] or ())
+    amplification = values["amplification"] if values["amplification"] is not None else base.amplification
+    msprobe_rule = base.msprobe_rule and not values["no_msprobe_rule"]
+    max_unmatched = values["max_unmatched"] if values["max_unmatched"] is not None else base.max_unmatched
+    return Thresholds(dtypes, tuple(rules), amplification, msprobe_rule, max_unmatched)
+
+
+def thresholds_from_options(options: Any, prefix: str = "") -> Thresholds:
+    """Thresholds from parsed options (argparse Namespace, pytest Config or a mapping of destinations)."""
+    dest, get = prefix.replace("-", "_"), getter(options)
+    layers = _layers(THRESHOLD_OPTIONS, lambda opt: get(dest + opt.name), {}, lambda _: None)
+    return _thresholds(layers, Path())
+
+
+# ------------------------------------------------------------------------------------------------ settings
+def check_apart(output: Path, baseline: Path, what: str = "the output folder") -> None:
+    """Refuse an output folder that is, holds or lies inside a baseline folder: a run clears its output
+    folders, and would delete the baselines it is meant to compare with."""
+    out, base = Path(os.path.realpath(output)), Path(os.path.realpath(baseline))
+    if out == base or out.is_relative_to(base) or base.is_relative_to(out):
+        relation = "is" if out == base else "lies inside" if out.is_relative_to(base) else "holds"
+        raise ConfigError(
+            f"{what} {output} {relation} the baseline folder {baseline}: the run would delete baselines; "
+            f"give {OUTPUT.flag} a folder of its own"
+        )
+
+
+def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> SessionSettings:
+    """Session settings; command-line paths are relative to where pytest was started, ini paths to the ini
+    file.
+
+    ``cli`` gives command-line values by destination and ``ini`` ini values by key (see :func:`getter`).
+    """
+    session = (BASELINE, REGEN, OUTPUT, DEVICE, MAX_DUMP_SIZE, KEEP_DUMPS, RANK_TIMEOUT)
+    get = getter(cli)
+    layers = _layers(session, lambda opt: get(opt.dest), {}, getter(ini))
+
+    def folder(opt: Option) -> tuple[Path | None, str]:
+        for layer, base in ((CLI, invocation_dir), (INI, ini_dir)):
+            if opt.name in layers[layer]:
+                return _path(_read(opt, layer, layers, ini_dir), base), layers[layer][opt.name][1]
+        return None, ""
+
+    baseline, _ = folder(BASELINE)
+    regen = bool(_top(REGEN, layers, ini_dir))
+    output, output_from = folder(OUTPUT)
+    if output is None:
+        output, output_from = _path(OUTPUT.default, ini_dir), f"the output folder (default {OUTPUT.default})"
+    device = str(_top(DEVICE, layers, ini_dir))
+    if regen and baseline is None:
+        raise ConfigError(f"{REGEN.flag} needs {BASELINE.flag}=DIR (or ini {BASELINE.ini})")
+    if baseline is not None and os.path.exists(baseline) and not os.path.isdir(baseline):
+        raise ConfigError(f"the baseline folder {baseline} is a file, not a folder")
+    if baseline is not None:
+        check_apart(output, baseline, output_from)
+    keep_dumps = bool(_top(KEEP_DUMPS, layers, ini_dir))
+    # resolved per test (a marker sits between them), checked here so that a bad value stops the run at once
+    for opt in (MAX_DUMP_SIZE, RANK_TIMEOUT):
+        for layer in (CLI, INI):
+            if opt.name in layers[layer]:
+                _read(opt, layer, layers, ini_dir)
+    return SessionSettings(
+        baseline=baseline, regen=regen, output=output, device=device, keep_dumps=keep_dumps
+    )
+
+
+def resolve_test(
+    cli: Any, marker: Mapping[str, Any], ini: Any, ini_dir: Path, test: str = "this test"
+) -> TestSettings:
+    """Per-test settings from the marker's keywords, with ini defaults below and the command line above."""
+    unknown = set(marker) - MARKER_KEYS
+    if unknown:
+        raise ConfigError(
+            f"@pytest.mark.msprobe on {test}: unknown keyword(s) {', '.join(sorted(unknown))} "
+            f"(known: {', '.join(sorted(MARKER_KEYS))})"
+        )
+    per_test = (TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, WORLD_SIZE, BACKEND, RANK_TIMEOUT)
+    get = getter(cli)
+    layers = _layers((*per_test, *THRESHOLD_OPTIONS), lambda opt: get(opt.dest), marker, getter(ini), test)
+    task, level, steps, seed, max_dump_size, world_size, backend, rank_timeout = (
+        _top(opt, layers, ini_dir) for opt in per_test
+    )
+    return TestSettings(
+        task,
+        level,
+        steps,
+        seed,
+        _thresholds(layers, ini_dir),
+        max_dump_size,
+        world_size=world_size,
+        backend=backend,
+        rank_timeout=rank_timeout,
+    )

@@ -1,0 +1,196 @@
+"""What a run is told: the session's and one test's settings, and the checks every given value goes through.
+
+The values come from :mod:`pytest_msprobe.options`, which resolves them (command line > marker > ini > default)
+and calls the checks below with where each value was given, so that a bad one raises ConfigError quoting both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_msprobe.compare.thresholds import (
+    DEFAULT_DTYPE_TOLERANCES,
+    Thresholds,
+    normalize_dtype,
+    parse_share,
+)
+from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.run.device import DEVICE_CHOICES
+
+# seconds the rank processes of a multi-rank test may take, start-up included: a collective that one rank never
+# joins hangs the others for good, and a CI job should fail long before its own limit kills everything
+DEFAULT_RANK_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """Settings that hold for the whole pytest session."""
+
+    baseline: Path | None  # None: compare nothing, the plugin stays out of the way
+    regen: bool
+    output: Path
+    device: str
+    keep_dumps: bool = False  # keep the dumps of passing tests and regenerated baselines
+
+    @property
+    def active(self) -> bool:
+        return self.baseline is not None
+
+
+@dataclass(frozen=True)
+class TestSettings:
+    """Settings of one msprobe test."""
+
+    task: str
+    level: str
+    steps: tuple[int, ...]
+    seed: int
+    thresholds: Thresholds
+    max_dump_size: int | None = None  # bytes of tensor files the test's dump may take (None: no limit)
+    world_size: int = 1  # > 1: the test body runs in that many rank processes under torch.distributed
+    backend: str | None = None  # torch.distributed backend of the ranks; None: by device (gloo, nccl, hccl)
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds the rank processes may take, start-up included
+
+
+def check_flag(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off", ""}:
+        return False
+    raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
+def check_given(value: Any, where: str) -> str:
+    """An option's text, refused when empty: ``--msprobe-baseline=`` is what an unset CI variable gives, and
+    taking it for "no baseline" would turn the gate off without a word."""
+    text = os.fspath(value)
+    if not text.strip():
+        raise ConfigError(
+            f"{where} is empty (an unset variable in the CI script?): give a folder, or leave the option out"
+        )
+    return text
+
+
+def check_device(value: Any, where: str) -> str:
+    device = str(value).strip()
+    if device.partition(":")[0].lower() not in DEVICE_CHOICES:
+        raise ConfigError(f"{where}: unknown device {device!r}, expected one of {', '.join(DEVICE_CHOICES)}")
+    return device
+
+
+def check_choice(value: Any, choices: tuple[str, ...], what: str, where: str) -> str:
+    if value not in choices:
+        raise ConfigError(f"{where}: {what} must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+def check_steps(value: Any, where: str) -> tuple[int, ...]:
+    items: Any = value.replace(",", " ").split() if isinstance(value, str) else value
+    if isinstance(items, int) and not isinstance(items, bool):
+        items = [items]
+    try:
+        steps = tuple(sorted({int(s) for s in items}))
+        if any(isinstance(s, bool) or (isinstance(s, float) and not s.is_integer()) for s in items):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: steps must be non-negative integers, got {value!r}") from None
+    if not steps or steps[0] < 0:
+        raise ConfigError(f"{where}: steps must be non-negative integers, got {value!r}")
+    return steps
+
+
+def check_seed(value: Any, where: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        seed = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: seed must be an integer, got {value!r}") from None
+    if not 0 <= seed < 2**32:
+        raise ConfigError(f"{where}: seed must be in [0, 2**32), got {value!r}")
+    return seed
+
+
+def check_world_size(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: world_size must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_backend(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(
+            f"{where}: backend must be a torch.distributed backend name (gloo, nccl, hccl...), got {value!r}"
+        )
+    return value.strip().lower()
+
+
+def check_seconds(value: Any, where: str) -> float:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a number of seconds, got {value!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"{where}: expected a positive number of seconds, got {value!r}")
+    return seconds
+
+
+# the threshold options' command-line text, as argparse's ``type=`` reads it (and the plugin reads ini lines and
+# marker values): errors are argparse's, which the options module turns into ConfigError naming where
+def parse_number(text: str, minimum: float = 0, whole: bool = False) -> float:
+    """A number at least ``minimum`` (a whole one with ``whole``), for argparse's ``type=``."""
+    try:
+        value = int(text) if whole else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a {'whole ' if whole else ''}number, got {text!r}"
+        ) from None
+    if math.isnan(value) or value < minimum:
+        raise argparse.ArgumentTypeError(f"expected a number >= {minimum:g}, got {text!r}")
+    return value
+
+
+def parse_nonnegative(text: str) -> float:
+    return parse_number(text)
+
+
+def parse_amplification(text: str) -> float:
+    value = parse_nonnegative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
+
+
+def parse_share_option(text: str) -> float:
+    try:
+        return parse_share(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_pair(text: str) -> tuple[str, float]:
+    key, sep, value = text.rpartition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER, got {text!r}")
+    return key, parse_nonnegative(value)
+
+
+def parse_dtype_pair(text: str) -> tuple[str, float]:
+    key, value = parse_pair(text)
+    name = normalize_dtype(key)
+    if name not in DEFAULT_DTYPE_TOLERANCES:
+        known = ", ".join(sorted(DEFAULT_DTYPE_TOLERANCES))
+        raise argparse.ArgumentTypeError(f"unknown dtype {key!r} in {text!r} (known: {known})")
+    return str(name), value

@@ -1,0 +1,115 @@
+"""The package's walls: which layer may import what, module sizes, and where each option is spelled."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pytest_msprobe"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(module imported, at module level?) for every import statement of a file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    top = {id(node) for node in tree.body}
+    typing_only = {  # imports under `if TYPE_CHECKING:` are for the type checker only
+        id(child)
+        for node in tree.body
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for child in ast.walk(node)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, id(node) in top) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, id(node) in top))
+    return found
+
+
+def _roots(path: Path, module_level_only: bool = False) -> set[str]:
+    return {
+        name if name.startswith("pytest_msprobe") else name.split(".")[0]
+        for name, top in _imports(path)
+        if top or not module_level_only
+    }
+
+
+def test_pytest_is_imported_only_by_the_pytest_layer() -> None:
+    offenders = [
+        str(p.relative_to(PACKAGE))
+        for p in MODULES
+        if _layer(p) != "pytest" and ("pytest" in _roots(p) or "_pytest" in _roots(p))
+    ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("layer", ["compare", "format"])
+def test_compare_and_format_need_neither_torch_nor_pytest(layer: str) -> None:
+    for path in (PACKAGE / layer).rglob("*.py"):
+        module_level = _roots(path, module_level_only=True)
+        assert "torch" not in module_level, path
+        assert not {"pytest", "_pytest"} & _roots(path), path
+        if layer == "format":  # the format is the bottom layer: it needs nothing of the package but errors
+            assert not any(
+                name.startswith("pytest_msprobe.")
+                and not name.startswith(("pytest_msprobe.format", "pytest_msprobe.errors"))
+                for name in _roots(path)
+            ), path
+
+
+def test_dump_and_compare_do_not_import_each_other() -> None:
+    for a, b in (("dump", "compare"), ("compare", "dump"), ("dump", "report"), ("compare", "report")):
+        for path in (PACKAGE / a).rglob("*.py"):
+            assert not any(name.startswith(f"pytest_msprobe.{b}") for name in _roots(path)), (path, b)
+
+
+def test_report_reads_the_compare_result_only() -> None:
+    for path in (PACKAGE / "report").rglob("*.py"):
+        used = {name for name in _roots(path) if name.startswith("pytest_msprobe.compare")}
+        assert used <= {"pytest_msprobe.compare.result"}, (path, used)
+
+
+def test_no_module_swaps_its_class_and_none_is_too_big() -> None:
+    for path in MODULES:
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"\.__class__\s*=", text), path
+        assert text.count("\n") <= 520, f"{path.relative_to(PACKAGE)}: {text.count(chr(10))} lines"
+
+
+def test_each_option_is_spelled_in_the_option_table_only() -> None:
+    from pytest_msprobe.options import OPTIONS
+
+    table = PACKAGE / "options.py"
+    names = {o.flag for o in OPTIONS if o.flag} | {o.ini for o in OPTIONS if o.ini}
+    for path in MODULES:
+        if path == table:
+            continue
+        # a junitxml property may share an ini key's word (msprobe_baseline): it is defined once, as a PROPERTY
+        text = "\n".join(
+            line for line in path.read_text(encoding="utf-8").splitlines() if "_PROPERTY =" not in line
+        )
+        for name in names:
+            assert not re.search(rf"[\"']{re.escape(name)}[\"'=]", text), (path.relative_to(PACKAGE), name)
+
+
+def test_the_public_names() -> None:
+    import pytest_msprobe
+    import pytest_msprobe.compare.result  # importing the package's modules keeps the function's name
+
+    assert callable(pytest_msprobe.compare)
+    from pytest_msprobe import compare
+    from pytest_msprobe.compare import compare as compare_function
+
+    assert compare is compare_function
