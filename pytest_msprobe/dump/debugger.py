@@ -60,7 +60,7 @@ from pytest_msprobe.dump.writer import (
     write_step_files,
 )
 from pytest_msprobe.errors import ConfigError, DumpError, DumpSizeError, PathLike
-from pytest_msprobe.format.layout import TENSOR_DIR
+from pytest_msprobe.format.layout import TENSOR_DIR, TENSOR_SUFFIX
 
 # the debugger started on each thread (by thread ident): at most one per thread
 _STARTED: dict[int, PrecisionDebugger] = {}
@@ -303,7 +303,7 @@ class PrecisionDebugger:
         if budget is None or budget.refused is None or self._size_reported:
             return
         self._size_reported = True
-        row = budget.refused[: -len(".pt")] if budget.refused.endswith(".pt") else budget.refused
+        row = budget.refused.removesuffix(TENSOR_SUFFIX)
         raise DumpSizeError(self.config.dump_path, format_size(budget.limit), row)
 
     def _new_step_recorder(self) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.stats import StatEngine, dtype_name
+from pytest_msprobe.format.layout import TENSOR_SUFFIX
 
 try:
     import torch.distributed as _dist
@@ -60,7 +61,7 @@ class Values:
     def analyze(self, value: Any, name: str | None, remember: bool) -> Any:
         """msprobe's JSON form of one argument / output value (tensors through the StatEngine)."""
         if isinstance(value, _Tensor):
-            return self.engine.item(value, name + ".pt" if name is not None else None, remember)
+            return self.engine.item(value, name + TENSOR_SUFFIX if name is not None else None, remember)
         if value is None:
             return None
         tp = type(value)

@@ -22,6 +22,7 @@ DUMP_JSON = "dump.json"
 STACK_JSON = "stack.json"
 CONSTRUCT_JSON = "construct.json"
 TENSOR_DIR = "dump_tensor_data"
+TENSOR_SUFFIX = ".pt"  # a tensor file is its row name plus this, in TENSOR_DIR
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 RANK_DIR = re.compile(r"^(?:rank(\d*)|proc(\d+))$")
