@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.errors import ConfigError, MsprobeError
+from pytest_msprobe.errors import ConfigError, DumpFormatError, MsprobeError
 from pytest_msprobe.format.files import config_error, read_json
 
 PROG = "pytest-msprobe"
@@ -108,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     )  # msprobe's; always on here
     cmp.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     add_threshold_options(cmp.add_argument)
+    rep = commands.add_parser(
+        "replay",
+        help="replay every forward API call of a tensor dump on the CPU in float64 and judge each call's own error",
+        description="Rebuild each recorded forward call of a tensor dump from its dumped inputs, run it on the "
+        "CPU in float64, and judge its dumped output against that replay (its own error, whatever flowed into "
+        "it). Writes OUT/replay.json; exits 1 when a call is out of line, 0 otherwise, 2 on a usage error.",
+    )
+    rep.add_argument(
+        "dump", metavar="DUMP", help="a tensor dump: dump root, step or rank folder, or dump.json"
+    )
+    rep.add_argument("-o", "--output", dest="output_path", required=True, metavar="OUT", help="report folder")
+    rep.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     return parser
 
 
@@ -204,12 +216,34 @@ def refuse_output_inside(out: str, target: str, baseline: str) -> None:
             )
 
 
+def _run_replay(args: argparse.Namespace) -> int:
+    from pytest_msprobe.replay.offline import replay_dump, write_replay
+
+    refuse_output_inside(args.output_path, args.dump, args.dump)
+    result = replay_dump(args.dump)
+    replayed = sum(1 for c in result.calls if not c.skipped)
+    if not replayed:  # nothing judged is no pass
+        first = next((f"{c.name}: {c.skipped}" for c in result.calls), "it records no forward API call")
+        raise DumpFormatError(args.dump, f"no forward call could be replayed ({first})")
+    path = write_replay(result, args.output_path)
+    bad = result.out_of_line
+    if not args.quiet:
+        print(f"msprobe replay: {replayed} of {len(result.calls)} forward calls replayed in float64, "
+              f"{len(bad)} out of line; {path}")  # fmt: skip
+        for call in bad[:10]:
+            why = "; ".join(o.reason for o in call.outputs if o is not None and o.out_of_line)
+            print(f"  {call.name}: {why}")
+    return 1 if bad else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         if args.command == "compare":
             return _run_compare(args, parser)
+        if args.command == "replay":
+            return _run_replay(args)
         parser.error(f"unknown command {args.command!r}")
     except SystemExit as exc:  # argparse's usage errors (2) and --help (0)
         code: Any = exc.code

@@ -1,0 +1,64 @@
+"""Which recorded API a name stands for, and whether it can be replayed.
+
+``Functional.conv2d.0.forward`` is ``torch.nn.functional.conv2d``, ``Torch.matmul...`` ``torch.matmul``,
+``Tensor.add_...`` the method ``torch.Tensor.add_`` (called with the tensor first), ``VF.lstm...``
+``torch._VF.lstm``. A call that cannot be replayed faithfully gets a reason instead: random ops (their output is
+a draw, not a function of the inputs), collectives (they need the other ranks), NPU custom ops (they need
+torch_npu) and names torch does not have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from pytest_msprobe.format.names import parse_name
+
+# outputs that are draws: replaying them gives another draw, not the same value
+RANDOM = frozenset(
+    {
+        "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+        "rrelu", "rrelu_", "gumbel_softmax", "rand", "rand_like", "randn", "randn_like", "randint",
+        "randint_like", "randperm", "bernoulli", "bernoulli_", "multinomial", "normal", "normal_",
+        "uniform_", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "poisson",
+        "native_dropout", "fused_dropout",
+    }
+)  # fmt: skip
+_NAMESPACES: dict[str, Callable[[str], Any]] = {
+    "Functional": lambda op: getattr(torch.nn.functional, op, None),
+    "Torch": lambda op: getattr(torch, op, None),
+    "Tensor": lambda op: getattr(torch.Tensor, op, None),
+    "VF": lambda op: getattr(torch._VF, op, None),
+}
+
+
+class Target(NamedTuple):
+    """What a recorded name replays: the callable, or why there is none."""
+
+    api: str  # "Functional.conv2d"
+    fn: Callable[..., Any] | None
+    reason: str  # why it cannot be replayed ("" when it can)
+
+    @property
+    def inplace(self) -> bool:
+        op = self.api.rpartition(".")[2]
+        return op.endswith("_") and not op.endswith("__")
+
+
+def resolve(name: str) -> Target:
+    """The API a record name stands for: ``resolve("Functional.relu.0.forward").fn is F.relu``."""
+    api = parse_name(name).base
+    prefix, _, op = api.partition(".")
+    if prefix == "Distributed":
+        return Target(api, None, "a collective: it needs the other ranks")
+    if prefix == "NPU":
+        return Target(api, None, "an NPU custom op: it needs torch_npu")
+    if op in RANDOM:
+        return Target(api, None, "a random op: its output is a draw, not a function of its inputs")
+    lookup = _NAMESPACES.get(prefix)
+    fn = lookup(op) if lookup is not None and op else None
+    if fn is None or not callable(fn):
+        return Target(api, None, f"{api} is not an API this torch has")
+    return Target(api, fn, "")

@@ -1,0 +1,161 @@
+"""Offline replay of a tensor dump: every recorded forward call rebuilt from its dumped inputs, run on the CPU
+in float64, and its dumped output judged against that replay (:func:`replay_dump`).
+
+A call that cannot be replayed (no tensor files, a random op, a collective, an unknown API or argument) is
+listed with the reason, never guessed. Backward calls are listed as not replayed yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.files import read_json, write_text
+from pytest_msprobe.format.layout import TENSOR_DIR, discover
+from pytest_msprobe.format.names import FORWARD, parse_name
+from pytest_msprobe.replay.apis import resolve
+from pytest_msprobe.replay.standard import OwnError, own_error
+from pytest_msprobe.replay.values import Unreplayable, load_tensor, rebuild, torch_dtype
+
+REPLAY_JSON = "replay.json"
+
+
+@dataclass(frozen=True)
+class CallReplay:
+    """One recorded call: its own error per output tensor, or why it was not replayed."""
+
+    name: str
+    step: int | None
+    rank: int | None
+    outputs: tuple[OwnError | None, ...] = ()  # per output tensor (None: not a floating tensor)
+    skipped: str = ""  # why it was not replayed
+
+    @property
+    def out_of_line(self) -> bool:
+        return any(o is not None and o.out_of_line for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    dump: str
+    calls: tuple[CallReplay, ...] = field(default_factory=tuple)
+
+    @property
+    def out_of_line(self) -> list[CallReplay]:
+        return [c for c in self.calls if c.out_of_line]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dump": self.dump,
+            "replayed": sum(1 for c in self.calls if not c.skipped),
+            "skipped": sum(1 for c in self.calls if c.skipped),
+            "out_of_line": [c.name for c in self.out_of_line],
+            "calls": [
+                {
+                    "name": c.name,
+                    "step": c.step,
+                    "rank": c.rank,
+                    "skipped": c.skipped or None,
+                    "outputs": [o.to_dict() if o is not None else None for o in c.outputs],
+                }
+                for c in self.calls
+            ],
+        }
+
+
+def _tensors(value: Any) -> list[Any]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return [value]
+
+
+def replay_call(
+    name: str, entry: dict[str, Any], tensor_dir: Path
+) -> tuple[tuple[OwnError | None, ...], str]:
+    """The own errors of one forward call's outputs, or ``((), reason)`` when it cannot be replayed."""
+    target = resolve(name)
+    if target.fn is None:
+        return (), target.reason
+    try:
+        load = lambda node: load_tensor(node, tensor_dir)  # noqa: E731
+        args = rebuild(entry.get("input_args", []), load)
+        kwargs = rebuild(entry.get("input_kwargs", {}), load)
+        recorded = [node for node in _flat(entry.get("output", []))]
+        expected = [load(node) if _is_tensor(node) else None for node in recorded]
+    except (Unreplayable, DumpFormatError) as exc:
+        return (), str(exc)
+    if isinstance(kwargs, dict) and "inplace" in kwargs:
+        kwargs["inplace"] = False  # the inputs are ours: an in-place call changes nothing that matters
+    try:
+        with torch.no_grad():
+            out = target.fn(*args, **kwargs)
+    except Exception as exc:  # a call its own recorded inputs do not rebuild: say so, do not guess
+        return (
+            (),
+            f"the replay raised {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+        )
+    produced = _tensors(out)
+    if len(produced) != len(recorded):
+        return (), f"the replay gave {len(produced)} output(s), the dump {len(recorded)}"
+    errors: list[OwnError | None] = []
+    for node, want, got in zip(recorded, expected, produced):
+        if want is None or not isinstance(got, torch.Tensor):
+            errors.append(None)
+            continue
+        dtype = torch_dtype(str(node.get("dtype")))
+        if not dtype.is_floating_point or tuple(got.shape) != tuple(want.shape):
+            errors.append(None if tuple(got.shape) == tuple(want.shape) else _shape_error(node, got, want))
+            continue
+        errors.append(own_error(want.numpy(), got.detach().to(torch.float64).numpy(), str(dtype)[6:]))
+    return tuple(errors), ""
+
+
+def _shape_error(node: dict[str, Any], got: torch.Tensor, want: torch.Tensor) -> OwnError:
+    return OwnError(str(node.get("dtype"))[6:], want.numel(), 0, 0, 0, 0, 0, 0, None, 0, True,
+                    f"the replay's shape {list(got.shape)} is not the dumped {list(want.shape)}")  # fmt: skip
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, list):
+        return [node for item in value for node in _flat(item)]
+    return [value]
+
+
+def _is_tensor(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("type") == "torch.Tensor"
+
+
+def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:
+    """Replay every forward call of a dump (a dump root, step or rank folder, or a dump.json)."""
+    calls: list[CallReplay] = []
+    for location in discover(Path(path)):
+        doc = read_json(location.path)
+        data = doc.get("data") if isinstance(doc, dict) else None
+        if not isinstance(data, dict):
+            raise DumpFormatError(location.path, "no 'data' object: not a msprobe dump.json")
+        tensor_dir = location.path.parent / TENSOR_DIR
+        for name, entry in data.items():
+            if parse_name(name).direction != FORWARD or name.startswith("Module."):
+                continue
+            if not isinstance(entry, dict):
+                calls.append(CallReplay(name, location.step, location.rank, skipped="a malformed entry"))
+                continue
+            outputs, why = replay_call(name, entry, tensor_dir)
+            calls.append(CallReplay(name, location.step, location.rank, outputs, why))
+    return ReplayResult(os.fspath(path), tuple(calls))
+
+
+def write_replay(result: ReplayResult, out_dir: str | os.PathLike[str]) -> Path:
+    """Write ``replay.json`` (every call's own errors) into ``out_dir``, atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / REPLAY_JSON, json.dumps(result.to_dict(), indent=1, allow_nan=True))
+    return out / REPLAY_JSON

@@ -1,0 +1,90 @@
+"""A call's own error, and the precision standard it is judged by (the family of msprobe's pre-check standard).
+
+The own error compares the call's dumped output with the float64 replay of its dumped inputs, element-wise:
+
+- small values (the replay's magnitude below the dtype's small-value bound) are judged by absolute error;
+- the others by relative error: the share of elements whose relative error passes the dtype's bound must stay
+  below that bound (msprobe's "double thousandths" for float32/float64, "double hundredths" for half types);
+- RMSE, the largest and the mean relative error, and for float32 and half types the error in ULPs, are
+  reported beside the verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# dtype -> (small-value bound, absolute error allowed on small values, relative-error bound and share bound)
+_STANDARD = {
+    "float64": (2.0**-14, 2.0**-30, 1e-3),
+    "float32": (2.0**-14, 2.0**-30, 1e-3),
+    "float16": (2.0**-11, 2.0**-16, 1e-2),
+    "bfloat16": (2.0**-8, 2.0**-16, 1e-2),
+}
+_NP = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
+
+
+@dataclass(frozen=True)
+class OwnError:
+    """How far a call's dumped output is from the float64 replay of its own inputs (one output tensor)."""
+
+    dtype: str
+    elements: int
+    max_abs: float
+    max_rel: float
+    mean_rel: float
+    rmse: float
+    rel_share: float  # share of the non-small elements whose relative error passes the dtype's bound
+    small_breaches: int  # small elements whose absolute error passes the dtype's small-value bound
+    ulp_mean: float | None  # float32 and float16: mean error in ULPs of the dumped dtype
+    nonfinite_mismatch: int  # elements finite on one side only, or NaN on one side only
+    out_of_line: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
+    """The own error of one output: ``dumped`` as recorded (widened to float64), ``replay`` in float64."""
+    small_bound, small_abs, rel_bound = _STANDARD.get(dtype, _STANDARD["float32"])
+    d = np.asarray(dumped, dtype=np.float64).ravel()
+    r = np.asarray(replay, dtype=np.float64).ravel()
+    n = int(d.size)
+    finite = np.isfinite(d) & np.isfinite(r)
+    same_special = (~np.isfinite(d)) & (~np.isfinite(r)) & ((d == r) | (np.isnan(d) & np.isnan(r)))
+    mismatch = int(np.count_nonzero(~finite & ~same_special))
+    d, r = d[finite], r[finite]
+    diff = np.abs(d - r)
+    small = np.abs(r) < small_bound
+    rel = diff[~small] / np.abs(r[~small]) if np.any(~small) else np.zeros(0)
+    rel_share = float(np.count_nonzero(rel > rel_bound)) / rel.size if rel.size else 0.0
+    small_breaches = int(np.count_nonzero(diff[small] > small_abs))
+    ulp_mean = None
+    if dtype in ("float32", "float16") and r.size:
+        spacing = np.spacing(np.abs(r).astype(_NP[dtype])).astype(np.float64)
+        ulp_mean = float(np.mean(diff / np.maximum(spacing, np.finfo(np.float64).tiny)))
+    reasons = []
+    if mismatch:
+        reasons.append(f"{mismatch} element(s) finite on one side only")
+    if rel_share > rel_bound:
+        reasons.append(
+            f"{rel_share:.3%} of its elements are more than {rel_bound:g} off (at most {rel_bound:.1%})"
+        )
+    if small_breaches and small_breaches / max(n, 1) > rel_bound:
+        reasons.append(f"{small_breaches} small element(s) more than {small_abs:.3g} off")
+    return OwnError(
+        dtype=dtype,
+        elements=n,
+        max_abs=float(diff.max()) if diff.size else 0.0,
+        max_rel=float(rel.max()) if rel.size else 0.0,
+        mean_rel=float(rel.mean()) if rel.size else 0.0,
+        rmse=float(np.sqrt(np.mean(diff**2))) if diff.size else 0.0,
+        rel_share=rel_share,
+        small_breaches=small_breaches,
+        ulp_mean=ulp_mean,
+        nonfinite_mismatch=mismatch,
+        out_of_line=bool(reasons),
+        reason="; ".join(reasons),
+    )

@@ -1,0 +1,74 @@
+"""A recorded call's arguments rebuilt from its dump.json entry: tensors read from their files in float64."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pytest_msprobe.format.tensorfile import open_tensor
+
+_DTYPES = {
+    "torch.float64": torch.float64, "torch.float32": torch.float32, "torch.float16": torch.float16,
+    "torch.bfloat16": torch.bfloat16, "torch.int64": torch.int64, "torch.int32": torch.int32,
+    "torch.int16": torch.int16, "torch.int8": torch.int8, "torch.uint8": torch.uint8, "torch.bool": torch.bool,
+    "torch.complex64": torch.complex64, "torch.complex128": torch.complex128,
+}  # fmt: skip
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+class Unreplayable(Exception):
+    """A value of a call that cannot be rebuilt: the message says which and why."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``torch_dtype("torch.float32") is torch.float32``; Unreplayable for a dtype this module does not know."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise Unreplayable(f"dtype {name} is not replayed")
+    return dtype
+
+
+def load_tensor(node: dict[str, Any], tensor_dir: Path) -> torch.Tensor:
+    """The tensor a dump.json node names, read from its file; floating ones widened to float64 (complex128)."""
+    data_name = node.get("data_name")
+    if not isinstance(data_name, str) or data_name in ("", "-1"):
+        raise Unreplayable("a tensor without its file (a statistics dump holds no tensors)")
+    dtype = torch_dtype(str(node.get("dtype")))
+    array = open_tensor(tensor_dir / data_name).read()  # compared values: float64 for floating dtypes
+    tensor = torch.from_numpy(np.array(array, copy=True))  # (ascontiguousarray makes a 0-d array 1-d)
+    if dtype.is_complex:  # read as (..., 2) pairs of float64
+        return torch.view_as_complex(tensor.to(torch.float64))
+    return tensor.to(torch.float64 if dtype.is_floating_point else dtype)
+
+
+def rebuild(node: Any, tensor: Callable[[dict[str, Any]], torch.Tensor]) -> Any:
+    """A Python value from a dump.json node: tensors through ``tensor``, scalars, None, nested lists."""
+    if node is None:
+        return None
+    if isinstance(node, list):
+        return [rebuild(item, tensor) for item in node]
+    if not isinstance(node, dict):
+        raise Unreplayable(f"an argument recorded as {type(node).__name__}")
+    kind = node.get("type")
+    if kind == "torch.Tensor":
+        return tensor(node)
+    if kind in _SCALARS and "value" in node:
+        return None if node["value"] is None else _SCALARS[kind](node["value"])
+    if kind == "slice":
+        start, stop, step = (node.get("value") or [None, None, None])[:3]
+        return slice(start, stop, step)
+    if kind == "torch.dtype":
+        return torch_dtype(str(node.get("value")))
+    if kind == "torch.memory_format" and isinstance(
+        getattr(torch, str(node.get("format")), None), torch.memory_format
+    ):
+        return getattr(torch, str(node.get("format")))
+    if kind == "torch.Size":
+        return torch.Size(node.get("value") or ())
+    if kind is None and all(isinstance(v, (dict, list)) or v is None for v in node.values()):
+        return {k: rebuild(v, tensor) for k, v in node.items()}
+    raise Unreplayable(f"an argument of type {kind}")
