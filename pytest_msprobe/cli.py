@@ -110,10 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_threshold_options(cmp.add_argument)
     rep = commands.add_parser(
         "replay",
-        help="replay every forward API call of a tensor dump on the CPU in float64 and judge each call's own error",
-        description="Rebuild each recorded forward call of a tensor dump from its dumped inputs, run it on the "
-        "CPU in float64, and judge its dumped output against that replay (its own error, whatever flowed into "
-        "it). Writes OUT/replay.json; exits 1 when a call is out of line, 0 otherwise, 2 on a usage error.",
+        help="replay every API call of a tensor dump on the CPU in float64 and judge each call's own error",
+        description="Rebuild each recorded API call of a tensor dump from its dumped inputs, run it on the "
+        "CPU in float64, and judge its dumped output (forward) or outgoing gradients (backward) against that "
+        "replay: its own error, whatever flowed into it. Writes OUT/replay.json; exits 1 when a call is out of line, 0 otherwise, 2 on a usage error.",
     )
     rep.add_argument(
         "dump", metavar="DUMP", help="a tensor dump: dump root, step or rank folder, or dump.json"
@@ -223,12 +223,12 @@ def _run_replay(args: argparse.Namespace) -> int:
     result = replay_dump(args.dump)
     replayed = sum(1 for c in result.calls if not c.skipped)
     if not replayed:  # nothing judged is no pass
-        first = next((f"{c.name}: {c.skipped}" for c in result.calls), "it records no forward API call")
-        raise DumpFormatError(args.dump, f"no forward call could be replayed ({first})")
+        first = next((f"{c.name}: {c.skipped}" for c in result.calls), "it records no API call")
+        raise DumpFormatError(args.dump, f"no call could be replayed ({first})")
     path = write_replay(result, args.output_path)
     bad = result.out_of_line
     if not args.quiet:
-        print(f"msprobe replay: {replayed} of {len(result.calls)} forward calls replayed in float64, "
+        print(f"msprobe replay: {replayed} of {len(result.calls)} calls replayed in float64, "
               f"{len(bad)} out of line; {path}")  # fmt: skip
         for call in bad[:10]:
             why = "; ".join(o.reason for o in call.outputs if o is not None and o.out_of_line)

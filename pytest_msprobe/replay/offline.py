@@ -1,8 +1,9 @@
-"""Offline replay of a tensor dump: every recorded forward call rebuilt from its dumped inputs, run on the CPU
-in float64, and its dumped output judged against that replay (:func:`replay_dump`).
+"""Offline replay of a tensor dump: every recorded call rebuilt from its dumped inputs, run on the CPU in
+float64, and its dumped output (forward) or outgoing gradients (backward, :mod:`.backward`) judged against that
+replay (:func:`replay_dump`).
 
 A call that cannot be replayed (no tensor files, a random op, a collective, an unknown API or argument) is
-listed with the reason, never guessed. Backward calls are listed as not replayed yet.
+listed with the reason, never guessed.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import torch
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.files import read_json, write_text
 from pytest_msprobe.format.layout import TENSOR_DIR, discover
-from pytest_msprobe.format.names import FORWARD, parse_name
+from pytest_msprobe.format.names import BACKWARD, FORWARD, parse_name
 from pytest_msprobe.replay.apis import resolve
-from pytest_msprobe.replay.standard import OwnError, own_error
+from pytest_msprobe.replay.backward import replay_backward
+from pytest_msprobe.replay.standard import OwnError, own_error, shape_error
 from pytest_msprobe.replay.values import Unreplayable, load_tensor, rebuild, torch_dtype
 
 REPLAY_JSON = "replay.json"
@@ -112,15 +114,14 @@ def replay_call(
             continue
         dtype = torch_dtype(str(node.get("dtype")))
         if not dtype.is_floating_point or tuple(got.shape) != tuple(want.shape):
-            errors.append(None if tuple(got.shape) == tuple(want.shape) else _shape_error(node, got, want))
+            errors.append(
+                None
+                if tuple(got.shape) == tuple(want.shape)
+                else shape_error(str(dtype)[6:], tuple(got.shape), tuple(want.shape), want.numel())
+            )
             continue
         errors.append(own_error(want.numpy(), got.detach().to(torch.float64).numpy(), str(dtype)[6:]))
     return tuple(errors), ""
-
-
-def _shape_error(node: dict[str, Any], got: torch.Tensor, want: torch.Tensor) -> OwnError:
-    return OwnError(str(node.get("dtype"))[6:], want.numel(), 0, 0, 0, 0, 0, 0, None, 0, True,
-                    f"the replay's shape {list(got.shape)} is not the dumped {list(want.shape)}")  # fmt: skip
 
 
 def _flat(value: Any) -> list[Any]:
@@ -134,7 +135,7 @@ def _is_tensor(node: Any) -> bool:
 
 
 def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:
-    """Replay every forward call of a dump (a dump root, step or rank folder, or a dump.json)."""
+    """Replay every API call of a dump, forward and backward (a dump root, step or rank folder, or a dump.json)."""
     calls: list[CallReplay] = []
     for location in discover(Path(path)):
         doc = read_json(location.path)
@@ -143,12 +144,18 @@ def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:
             raise DumpFormatError(location.path, "no 'data' object: not a msprobe dump.json")
         tensor_dir = location.path.parent / TENSOR_DIR
         for name, entry in data.items():
-            if parse_name(name).direction != FORWARD or name.startswith("Module."):
+            parts = parse_name(name)
+            if parts.direction not in (FORWARD, BACKWARD) or name.startswith("Module."):
                 continue
-            if not isinstance(entry, dict):
-                calls.append(CallReplay(name, location.step, location.rank, skipped="a malformed entry"))
+            forward = data.get(parts.with_direction(FORWARD)) if parts.direction == BACKWARD else entry
+            if not isinstance(entry, dict) or not isinstance(forward, dict):
+                why = "a malformed entry" if not isinstance(entry, dict) else "its forward record is missing"
+                calls.append(CallReplay(name, location.step, location.rank, skipped=why))
                 continue
-            outputs, why = replay_call(name, entry, tensor_dir)
+            if parts.direction == FORWARD:
+                outputs, why = replay_call(name, entry, tensor_dir)
+            else:
+                outputs, why = replay_backward(name, forward, entry, tensor_dir)
             calls.append(CallReplay(name, location.step, location.rank, outputs, why))
     return ReplayResult(os.fspath(path), tuple(calls))
 

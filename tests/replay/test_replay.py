@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,13 +67,53 @@ def test_a_noisy_api_is_out_of_line_and_named(tmp_path: Path, monkeypatch: pytes
                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     monkeypatch.setattr(torch.nn.functional, "relu", _noisy(torch.nn.functional.relu, 1e-3))
     dump = _dump(tmp_path / "dump")
+    monkeypatch.undo()  # the replay runs torch's own relu, as it would on another machine
     result = replay_dump(dump)
+    # the calls around it are clean: each is judged on its own inputs
     assert [c.name for c in result.out_of_line] == ["Functional.relu.0.forward"]
+    # its backward ran through another node (the noise's product) than relu's: not compared, and said so
+    backward = next(c for c in result.calls if c.name == "Functional.relu.0.backward")
+    assert backward.skipped.startswith("the replay's node gives 1 gradient(s), the dump 2")
     code = main(["replay", str(dump), "-o", str(tmp_path / "out")])
     out = capsys.readouterr().out
     assert code == 1 and "Functional.relu.0.forward" in out and "1 out of line" in out
     doc = json.loads((tmp_path / "out" / "replay.json").read_text())
-    assert doc["out_of_line"] == ["Functional.relu.0.forward"] and doc["replayed"] >= 4
+    assert doc["out_of_line"] == ["Functional.relu.0.forward"] and doc["replayed"] >= 8
+
+
+class _OffGradient(torch.autograd.Function):
+    """relu with a gradient 1% off: the forward is exact."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * (x > 0) * 1.01
+
+
+def test_backward_replay_names_a_gradient_that_is_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean = replay_dump(_dump(tmp_path / "clean"))
+    grads = {c.name: c for c in clean.calls if c.name.endswith(".backward")}
+    for name in (
+        "Functional.conv2d.0.backward",
+        "Functional.linear.0.backward",
+        "Functional.relu.0.backward",
+    ):
+        assert not grads[name].skipped and any(o is not None for o in grads[name].outputs), grads[name]
+        assert not grads[name].out_of_line, grads[name]
+    # linear's node gives the bias's gradient first, summed to its shape as autograd does
+    assert len(grads["Functional.linear.0.backward"].outputs) == 3
+    monkeypatch.setattr(torch.nn.functional, "relu", lambda x, inplace=False: _OffGradient.apply(x))
+    dump = _dump(tmp_path / "off")
+    monkeypatch.undo()
+    result = replay_dump(dump)
+    assert [c.name for c in result.out_of_line] == ["Functional.relu.0.backward"]
 
 
 def test_the_cli_passes_a_clean_dump(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,5 +128,21 @@ def test_a_statistics_dump_cannot_be_replayed_and_says_so(tmp_path: Path,
     dump = _dump(tmp_path / "dump", task="statistics")
     assert main(["replay", str(dump), "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "no forward call could be replayed" in err and "without its file" in err
+    assert "no call could be replayed" in err and "without its file" in err
     assert not (tmp_path / "out").exists()  # nothing judged, nothing written
+
+
+MSPROBE = Path(__file__).resolve().parents[1] / "data" / "msprobe"
+
+
+@pytest.mark.parametrize("version", ["8.3.3", "26.2.0"])
+def test_real_msprobe_tensor_dumps(version: str) -> None:
+    """msprobe's own dumps of a TinyResNet: the "npu" side's third relu returns relu(x) + 1e-3 * N(0, 1)."""
+    dumps = MSPROBE / f"msprobe-{version}" / "dumps"
+    bench = replay_dump(dumps / "bench" / "tensor_L1")
+    assert bench.out_of_line == []  # CPU float32 against float64, every call: no false alarm
+    assert all(
+        not c.skipped for c in bench.calls
+    )  # batch_norm's backward too (its running stats take no grad)
+    npu = replay_dump(dumps / "npu" / "tensor_L1")
+    assert [c.name for c in npu.out_of_line] == ["Functional.relu.2.forward"]

@@ -1,0 +1,109 @@
+"""Backward replay: a call's forward replayed in float64 with gradients on, its autograd node given the dumped
+incoming gradients, and the gradients it gives back judged against the dumped outgoing ones.
+
+The dump's ``backward.input`` is what flowed into the node of the call's output and ``backward.output`` what
+that node gave back (its ``grad_inputs``, ``null`` where undefined), so the replay calls the same node of its
+own float64 forward: the comparison holds whatever the node's inputs are (``linear`` gives the bias's gradient
+first, as ``addmm`` does). Calls whose outputs have several nodes, or none of their own, are not replayed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.replay.apis import resolve
+from pytest_msprobe.replay.standard import OwnError, own_error, shape_error
+from pytest_msprobe.replay.values import Unreplayable, load_tensor, rebuild, torch_dtype
+
+OwnErrors = tuple[OwnError | None, ...]
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [node for item in value for node in _flat(item)]
+    return [value]
+
+
+def _is_tensor(node: Any) -> bool:
+    return isinstance(node, dict) and node.get("type") == "torch.Tensor"
+
+
+def replay_backward(
+    name: str, forward: dict[str, Any], backward: dict[str, Any], tensor_dir: Path
+) -> tuple[OwnErrors, str]:
+    """The own errors of one call's outgoing gradients, or ``((), reason)`` when it cannot be replayed."""
+    target = resolve(name)
+    if target.fn is None:
+        return (), target.reason
+    leaves: list[torch.Tensor] = []
+
+    def leaf(node: dict[str, Any]) -> torch.Tensor:
+        tensor = load_tensor(node, tensor_dir)
+        # as recorded: batch_norm's running statistics take no gradient, and may not be asked for one
+        if (tensor.is_floating_point() or tensor.is_complex()) and node.get(
+            "requires_grad", True
+        ) is not False:
+            tensor.requires_grad_(True)
+            leaves.append(tensor)
+        return tensor
+
+    try:
+        args = rebuild(forward.get("input_args", []), leaf)
+        kwargs = rebuild(forward.get("input_kwargs", {}), leaf)
+        incoming = [
+            load_tensor(n, tensor_dir) if _is_tensor(n) else None for n in _flat(backward.get("input"))
+        ]
+        recorded = _flat(backward.get("output", []))
+        dumped = [load_tensor(n, tensor_dir) if _is_tensor(n) else None for n in recorded]
+    except (Unreplayable, DumpFormatError) as exc:
+        return (), str(exc)
+    if isinstance(kwargs, dict) and "inplace" in kwargs:
+        kwargs["inplace"] = False
+    if target.inplace and args and isinstance(args[0], torch.Tensor):
+        args[0] = args[0].clone()  # a leaf that needs a gradient cannot be changed in place
+    try:
+        with torch.enable_grad():
+            out = target.fn(*args, **kwargs)
+    except Exception as exc:
+        return (
+            (),
+            f"the replay raised {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+        )
+    outputs = [t for t in _flat(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    nodes = {id(t.grad_fn): t.grad_fn for t in outputs}
+    if len(nodes) != 1:
+        return (), "its outputs have no autograd node of their own" if not nodes else "several output nodes"
+    node: Any = next(iter(nodes.values()))  # a torch.autograd.graph.Node: calling it runs its backward
+    if len(incoming) != len(outputs) or any(g is None for g in incoming):
+        return (), f"{len(incoming)} incoming gradient(s) recorded for {len(outputs)} output(s)"
+    try:
+        given = node(*incoming)
+    except Exception as exc:
+        return (
+            (),
+            f"the replay's backward raised {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+        )
+    given = list(given) if isinstance(given, tuple) else [given]
+    if len(given) != len(dumped):
+        return (), f"the replay's node gives {len(given)} gradient(s), the dump {len(dumped)}"
+    errors: list[OwnError | None] = []
+    for node_json, want, got in zip(recorded, dumped, given):
+        if want is None or got is None:
+            errors.append(None)
+            continue
+        dtype = str(torch_dtype(str(node_json.get("dtype"))))[6:]
+        if not want.is_floating_point():
+            errors.append(None)
+            continue
+        if tuple(got.shape) != tuple(want.shape):
+            try:  # autograd sums a broadcast input's gradient to its shape before the node's hooks see it
+                got = got.sum_to_size(want.shape)
+            except RuntimeError:
+                errors.append(shape_error(dtype, tuple(got.shape), tuple(want.shape), want.numel()))
+                continue
+        errors.append(own_error(want.numpy(), got.detach().to(torch.float64).numpy(), dtype))
+    return tuple(errors), ""
