@@ -17,19 +17,17 @@ import torch
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.replay.apis import resolve
 from pytest_msprobe.replay.standard import OwnError, own_error, shape_error
-from pytest_msprobe.replay.values import Unreplayable, load_tensor, rebuild, torch_dtype
+from pytest_msprobe.replay.values import (
+    Unreplayable,
+    flat,
+    is_tensor_node,
+    load_tensor,
+    raised,
+    rebuild,
+    torch_dtype,
+)
 
 OwnErrors = tuple[OwnError | None, ...]
-
-
-def _flat(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return [node for item in value for node in _flat(item)]
-    return [value]
-
-
-def _is_tensor(node: Any) -> bool:
-    return isinstance(node, dict) and node.get("type") == "torch.Tensor"
 
 
 def replay_backward(
@@ -55,10 +53,10 @@ def replay_backward(
         args = rebuild(forward.get("input_args", []), leaf)
         kwargs = rebuild(forward.get("input_kwargs", {}), leaf)
         incoming = [
-            load_tensor(n, tensor_dir) if _is_tensor(n) else None for n in _flat(backward.get("input"))
+            load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in flat(backward.get("input"))
         ]
-        recorded = _flat(backward.get("output", []))
-        dumped = [load_tensor(n, tensor_dir) if _is_tensor(n) else None for n in recorded]
+        recorded = flat(backward.get("output", []))
+        dumped = [load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in recorded]
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc)
     if isinstance(kwargs, dict) and "inplace" in kwargs:
@@ -69,11 +67,8 @@ def replay_backward(
         with torch.enable_grad():
             out = target.fn(*args, **kwargs)
     except Exception as exc:
-        return (
-            (),
-            f"the replay raised {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
-        )
-    outputs = [t for t in _flat(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        return (), raised("the replay", exc)
+    outputs = [t for t in flat(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     nodes = {id(t.grad_fn): t.grad_fn for t in outputs}
     if len(nodes) != 1:
         return (), "its outputs have no autograd node of their own" if not nodes else "several output nodes"
@@ -83,10 +78,7 @@ def replay_backward(
     try:
         given = node(*incoming)
     except Exception as exc:
-        return (
-            (),
-            f"the replay's backward raised {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
-        )
+        return (), raised("the replay's backward", exc)
     given = list(given) if isinstance(given, tuple) else [given]
     if len(given) != len(dumped):
         return (), f"the replay's node gives {len(given)} gradient(s), the dump {len(dumped)}"

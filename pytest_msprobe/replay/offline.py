@@ -23,7 +23,15 @@ from pytest_msprobe.format.names import BACKWARD, FORWARD, parse_name
 from pytest_msprobe.replay.apis import resolve
 from pytest_msprobe.replay.backward import replay_backward
 from pytest_msprobe.replay.standard import OwnError, own_error, shape_error
-from pytest_msprobe.replay.values import Unreplayable, load_tensor, rebuild, torch_dtype
+from pytest_msprobe.replay.values import (
+    Unreplayable,
+    flat,
+    is_tensor_node,
+    load_tensor,
+    raised,
+    rebuild,
+    torch_dtype,
+)
 
 REPLAY_JSON = "replay.json"
 
@@ -71,14 +79,6 @@ class ReplayResult:
         }
 
 
-def _tensors(value: Any) -> list[Any]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return [value]
-
-
 def replay_call(
     name: str, entry: dict[str, Any], tensor_dir: Path
 ) -> tuple[tuple[OwnError | None, ...], str]:
@@ -90,8 +90,8 @@ def replay_call(
         load = lambda node: load_tensor(node, tensor_dir)  # noqa: E731
         args = rebuild(entry.get("input_args", []), load)
         kwargs = rebuild(entry.get("input_kwargs", {}), load)
-        recorded = [node for node in _flat(entry.get("output", []))]
-        expected = [load(node) if _is_tensor(node) else None for node in recorded]
+        recorded = [node for node in flat(entry.get("output", []))]
+        expected = [load(node) if is_tensor_node(node) else None for node in recorded]
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc)
     if isinstance(kwargs, dict) and "inplace" in kwargs:
@@ -100,11 +100,8 @@ def replay_call(
         with torch.no_grad():
             out = target.fn(*args, **kwargs)
     except Exception as exc:  # a call its own recorded inputs do not rebuild: say so, do not guess
-        return (
-            (),
-            f"the replay raised {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
-        )
-    produced = _tensors(out)
+        return (), raised("the replay", exc)
+    produced = flat(out)
     if len(produced) != len(recorded):
         return (), f"the replay gave {len(produced)} output(s), the dump {len(recorded)}"
     errors: list[OwnError | None] = []
@@ -122,16 +119,6 @@ def replay_call(
             continue
         errors.append(own_error(want.numpy(), got.detach().to(torch.float64).numpy(), str(dtype)[6:]))
     return tuple(errors), ""
-
-
-def _flat(value: Any) -> list[Any]:
-    if isinstance(value, list):
-        return [node for item in value for node in _flat(item)]
-    return [value]
-
-
-def _is_tensor(node: Any) -> bool:
-    return isinstance(node, dict) and node.get("type") == "torch.Tensor"
 
 
 def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:

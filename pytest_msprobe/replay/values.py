@@ -72,3 +72,21 @@ def rebuild(node: Any, tensor: Callable[[dict[str, Any]], torch.Tensor]) -> Any:
     if kind is None and all(isinstance(v, (dict, list)) or v is None for v in node.values()):
         return {k: rebuild(v, tensor) for k, v in node.items()}
     raise Unreplayable(f"an argument of type {kind}")
+
+
+def flat(value: Any) -> list[Any]:
+    """The leaves of nested lists and tuples, in order (a dump's output lists, a call's outputs)."""
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in flat(item)]
+    return [value]
+
+
+def is_tensor_node(node: Any) -> bool:
+    """Whether a dump.json node records a tensor."""
+    return isinstance(node, dict) and node.get("type") == "torch.Tensor"
+
+
+def raised(what: str, exc: BaseException) -> str:
+    """Why a replay stopped: ``"the replay raised TypeError: <first line of its message>"``."""
+    text = str(exc).splitlines()[0][:160] if str(exc) else ""
+    return f"{what} raised {type(exc).__name__}: {text}" if text else f"{what} raised {type(exc).__name__}"
