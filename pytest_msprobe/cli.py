@@ -232,7 +232,10 @@ def _run_replay(args: argparse.Namespace) -> int:
               f"{len(bad)} out of line; {path}")  # fmt: skip
         for call in bad[:10]:
             why = "; ".join(o.reason for o in call.outputs if o is not None and o.out_of_line)
-            print(f"  {call.name}: {why}")
+            where = "".join(
+                f", {k} {v}" for k, v in (("step", call.step), ("rank", call.rank)) if v is not None
+            )
+            print(f"  {call.name}{f' ({where[2:]})' if where else ''}: {why}")
     return 1 if bad else 0
 
 

@@ -65,7 +65,7 @@ class ReplayResult:
             "dump": self.dump,
             "replayed": sum(1 for c in self.calls if not c.skipped),
             "skipped": sum(1 for c in self.calls if c.skipped),
-            "out_of_line": [c.name for c in self.out_of_line],
+            "out_of_line": [{"name": c.name, "step": c.step, "rank": c.rank} for c in self.out_of_line],
             "calls": [
                 {
                     "name": c.name,

@@ -3,8 +3,9 @@
 The own error compares the call's dumped output with the float64 replay of its dumped inputs, element-wise:
 
 - the relative error of an element is its difference over the replay's magnitude, floored at the dtype's
-  small-value bound (2^-14 float32, 2^-11 float16, 2^-8 bfloat16): a value near zero, where rounding of the
-  terms that cancelled into it dominates, is judged by its absolute error against that bound;
+  small-value bound (2^-14 float32, 2^-11 float16, 2^-8 bfloat16) and at a tenth of the tensor's median
+  magnitude: a value near zero, where the rounding of the terms that cancelled into it dominates (a weight
+  gradient summed over 32K products), is judged by its absolute error against that floor;
 - the share of elements whose relative error passes the dtype's bound must stay below that bound (msprobe's
   "double thousandths" for float32/float64, "double hundredths" for half types), and no element may be finite
   on one side only;
@@ -62,7 +63,8 @@ def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
     d, r = d[finite], r[finite]
     diff = np.abs(d - r)
     small = np.abs(r) < small_bound
-    rel = diff / np.maximum(np.abs(r), small_bound)
+    floor = max(small_bound, 0.1 * float(np.median(np.abs(r)))) if r.size else small_bound
+    rel = diff / np.maximum(np.abs(r), floor)
     rel_share = float(np.count_nonzero(rel > rel_bound)) / rel.size if rel.size else 0.0
     small_breaches = int(np.count_nonzero(diff[small] > small_abs))
     ulp_mean = None
