@@ -16,15 +16,14 @@ import torch
 
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.replay.apis import resolve
-from pytest_msprobe.replay.standard import OwnError, own_error, shape_error
+from pytest_msprobe.replay.standard import OwnError, judge_output
 from pytest_msprobe.replay.values import (
     Unreplayable,
     flat,
     is_tensor_node,
     load_tensor,
     raised,
-    rebuild,
-    torch_dtype,
+    rebuild_inputs,
 )
 
 OwnErrors = tuple[OwnError | None, ...]
@@ -37,7 +36,6 @@ def replay_backward(
     target = resolve(name)
     if target.fn is None:
         return (), target.reason
-    leaves: list[torch.Tensor] = []
 
     def leaf(node: dict[str, Any]) -> torch.Tensor:
         tensor = load_tensor(node, tensor_dir)
@@ -46,12 +44,10 @@ def replay_backward(
             "requires_grad", True
         ) is not False:
             tensor.requires_grad_(True)
-            leaves.append(tensor)
         return tensor
 
     try:
-        args = rebuild(forward.get("input_args", []), leaf)
-        kwargs = rebuild(forward.get("input_kwargs", {}), leaf)
+        args, kwargs = rebuild_inputs(forward, leaf)
         incoming = [
             load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in flat(backward.get("input"))
         ]
@@ -59,8 +55,6 @@ def replay_backward(
         dumped = [load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in recorded]
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc)
-    if isinstance(kwargs, dict) and "inplace" in kwargs:
-        kwargs["inplace"] = False
     if target.inplace and args and isinstance(args[0], torch.Tensor):
         args[0] = args[0].clone()  # a leaf that needs a gradient cannot be changed in place
     try:
@@ -82,20 +76,6 @@ def replay_backward(
     given = list(given) if isinstance(given, tuple) else [given]
     if len(given) != len(dumped):
         return (), f"the replay's node gives {len(given)} gradient(s), the dump {len(dumped)}"
-    errors: list[OwnError | None] = []
-    for node_json, want, got in zip(recorded, dumped, given):
-        if want is None or got is None:
-            errors.append(None)
-            continue
-        dtype = str(torch_dtype(str(node_json.get("dtype"))))[6:]
-        if not want.is_floating_point():
-            errors.append(None)
-            continue
-        if tuple(got.shape) != tuple(want.shape):
-            try:  # autograd sums a broadcast input's gradient to its shape before the node's hooks see it
-                got = got.sum_to_size(want.shape)
-            except RuntimeError:
-                errors.append(shape_error(dtype, tuple(got.shape), tuple(want.shape), want.numel()))
-                continue
-        errors.append(own_error(want.numpy(), got.detach().to(torch.float64).numpy(), dtype))
-    return tuple(errors), ""
+    return tuple(
+        judge_output(n, want, got, sum_to_shape=True) for n, want, got in zip(recorded, dumped, given)
+    ), ""

@@ -22,15 +22,14 @@ from pytest_msprobe.format.layout import TENSOR_DIR, discover
 from pytest_msprobe.format.names import BACKWARD, FORWARD, parse_name
 from pytest_msprobe.replay.apis import resolve
 from pytest_msprobe.replay.backward import replay_backward
-from pytest_msprobe.replay.standard import OwnError, own_error, shape_error
+from pytest_msprobe.replay.standard import OwnError, judge_output
 from pytest_msprobe.replay.values import (
     Unreplayable,
     flat,
     is_tensor_node,
     load_tensor,
     raised,
-    rebuild,
-    torch_dtype,
+    rebuild_inputs,
 )
 
 REPLAY_JSON = "replay.json"
@@ -88,14 +87,11 @@ def replay_call(
         return (), target.reason
     try:
         load = lambda node: load_tensor(node, tensor_dir)  # noqa: E731
-        args = rebuild(entry.get("input_args", []), load)
-        kwargs = rebuild(entry.get("input_kwargs", {}), load)
-        recorded = [node for node in flat(entry.get("output", []))]
+        args, kwargs = rebuild_inputs(entry, load)
+        recorded = flat(entry.get("output", []))
         expected = [load(node) if is_tensor_node(node) else None for node in recorded]
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc)
-    if isinstance(kwargs, dict) and "inplace" in kwargs:
-        kwargs["inplace"] = False  # the inputs are ours: an in-place call changes nothing that matters
     try:
         with torch.no_grad():
             out = target.fn(*args, **kwargs)
@@ -104,21 +100,7 @@ def replay_call(
     produced = flat(out)
     if len(produced) != len(recorded):
         return (), f"the replay gave {len(produced)} output(s), the dump {len(recorded)}"
-    errors: list[OwnError | None] = []
-    for node, want, got in zip(recorded, expected, produced):
-        if want is None or not isinstance(got, torch.Tensor):
-            errors.append(None)
-            continue
-        dtype = torch_dtype(str(node.get("dtype")))
-        if not dtype.is_floating_point or tuple(got.shape) != tuple(want.shape):
-            errors.append(
-                None
-                if tuple(got.shape) == tuple(want.shape)
-                else shape_error(str(dtype)[6:], tuple(got.shape), tuple(want.shape), want.numel())
-            )
-            continue
-        errors.append(own_error(want.numpy(), got.detach().to(torch.float64).numpy(), str(dtype)[6:]))
-    return tuple(errors), ""
+    return tuple(judge_output(n, want, got) for n, want, got in zip(recorded, expected, produced)), ""
 
 
 def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:

@@ -17,8 +17,10 @@ The own error compares the call's dumped output with the float64 replay of its d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
 # dtype -> (small-value bound, absolute error allowed on small values, relative-error bound and share bound)
 _STANDARD = {
@@ -98,3 +100,23 @@ def shape_error(dtype: str, got: tuple[int, ...], want: tuple[int, ...], element
     """The own error of an output whose replay has another shape than its dump: out of line, by structure."""
     reason = f"the replay's shape {list(got)} is not the dumped {list(want)}"
     return OwnError(dtype, elements, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None, 0, True, reason)
+
+
+def judge_output(node: dict[str, Any], want: Any, got: Any, sum_to_shape: bool = False) -> OwnError | None:
+    """The own error of one recorded tensor (``node``, read as ``want``) against the replay's ``got``: out of
+    line by structure when their shapes differ; None where nothing is judged (no tensor on a side, not a
+    floating dtype). ``sum_to_shape``: a gradient of a
+    broadcast input is summed to the input's shape first, as autograd does before the node's hooks see it."""
+    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+        return None
+    dtype = str(node.get("dtype")).removeprefix("torch.")
+    if tuple(got.shape) != tuple(want.shape):
+        try:
+            if not sum_to_shape:
+                raise RuntimeError
+            got = got.sum_to_size(want.shape)
+        except RuntimeError:
+            return shape_error(dtype, tuple(got.shape), tuple(want.shape), want.numel())
+    if not want.is_floating_point():
+        return None
+    return own_error(want.numpy(), got.detach().to(torch.float64).numpy(), dtype)

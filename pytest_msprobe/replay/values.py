@@ -90,3 +90,15 @@ def raised(what: str, exc: BaseException) -> str:
     """Why a replay stopped: ``"the replay raised TypeError: <first line of its message>"``."""
     text = str(exc).splitlines()[0][:160] if str(exc) else ""
     return f"{what} raised {type(exc).__name__}: {text}" if text else f"{what} raised {type(exc).__name__}"
+
+
+def rebuild_inputs(
+    entry: dict[str, Any], tensor: Callable[[dict[str, Any]], torch.Tensor]
+) -> tuple[Any, Any]:
+    """The positional and keyword arguments of a forward record, tensors through ``tensor``. An ``inplace=``
+    switch is turned off: the inputs are the replay's own, so nothing is gained by changing them."""
+    args = rebuild(entry.get("input_args", []), tensor)
+    kwargs = rebuild(entry.get("input_kwargs", {}), tensor)
+    if isinstance(kwargs, dict) and "inplace" in kwargs:
+        kwargs["inplace"] = False
+    return args, kwargs
