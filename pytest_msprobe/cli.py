@@ -173,7 +173,7 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         target, baseline = args.target, args.baseline
     else:
         parser.error("compare needs TARGET and BASELINE (or -i COMPARE_JSON)")
-    refuse_output_inside(args.output_path, target, baseline)
+    refuse_output_inside(args.output_path, ("TARGET", target), ("BASELINE", baseline))
     thresholds = thresholds_from_options(args)
     result = compare(
         target,
@@ -200,11 +200,12 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return code
 
 
-def refuse_output_inside(out: str, target: str, baseline: str) -> None:
-    """Refuse a report folder that is a dump compared, or inside one: the reports would change the dump (and a
-    later compare of it would find them). A dump.json given by name stands for its folder."""
+def refuse_output_inside(out: str, *dumps: tuple[str, str]) -> None:
+    """Refuse a report folder that is a dump read, or inside one: the reports would change the dump (and a
+    later compare of it would find them). ``dumps``: (label, path) pairs, as the usage names them; a dump.json
+    given by name stands for its folder."""
     where = Path(out).resolve()
-    for label, given in (("TARGET", target), ("BASELINE", baseline)):
+    for label, given in dumps:
         root = Path(given).resolve()
         what = f"{label} {given}"
         if root.is_file():
@@ -219,7 +220,7 @@ def refuse_output_inside(out: str, target: str, baseline: str) -> None:
 def _run_replay(args: argparse.Namespace) -> int:
     from pytest_msprobe.replay.offline import replay_dump, write_replay
 
-    refuse_output_inside(args.output_path, args.dump, args.dump)
+    refuse_output_inside(args.output_path, ("DUMP", args.dump))
     result = replay_dump(args.dump)
     replayed = sum(1 for c in result.calls if not c.skipped)
     if not replayed:  # nothing judged is no pass

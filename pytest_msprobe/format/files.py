@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.errors import DumpFormatError, PathLike
+from pytest_msprobe.errors import ConfigError, DumpFormatError, PathLike
 
 # error(path, problem) -> the exception to raise
 ErrorFactory = Callable[[Path, str], Exception]
@@ -91,6 +91,4 @@ def parse_json(path: PathLike, raw: bytes, error: ErrorFactory = DumpFormatError
 
 def config_error(path: Path, problem: str) -> Exception:
     """An ``error`` for :func:`read_json` of a settings file: :class:`ConfigError` ``"{path}: {problem}"``."""
-    from pytest_msprobe.errors import ConfigError
-
     return ConfigError(f"{path}: {problem}")
