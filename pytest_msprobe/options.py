@@ -242,7 +242,6 @@ OPTIONS: tuple[Option, ...] = (
 )
 # fmt: on
 BY_NAME = {opt.name: opt for opt in OPTIONS}
-_THRESHOLDS = {opt.name: opt for opt in THRESHOLD_OPTIONS}
 MARKER_KEYS = frozenset(opt.marker for opt in OPTIONS if opt.marker is not None)
 MARKER_HELP = (
     f"msprobe(task={TASK.default!r}, level={LEVEL.default!r}, steps={list(STEPS.default)}, "
@@ -258,7 +257,8 @@ def parse_threshold_value(name: str, value: Any, where: str) -> Any:
     of ``NAME=NUMBER`` strings or, for the two ``*_rtol`` ones, a mapping ``{NAME: NUMBER}``. The result has
     the shape argparse would give; a bad value raises ConfigError naming ``where`` and quoting the value.
     """
-    opt = _THRESHOLDS.get(name)
+    opt = BY_NAME.get(name)
+    opt = opt if opt is not None and opt.shared else None  # the threshold settings only
     parse = (opt.type if opt is not None else None) or str
     try:
         if opt is not None and opt.action is None:
