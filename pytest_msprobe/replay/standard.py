@@ -16,11 +16,12 @@ The own error compares the call's dumped output with the float64 replay of its d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from pytest_msprobe.format.own_errors import OwnError
 
 # dtype -> (small-value bound, absolute error allowed on small values, relative-error bound and share bound)
 _STANDARD = {
@@ -30,27 +31,6 @@ _STANDARD = {
     "bfloat16": (2.0**-8, 2.0**-16, 1e-2),
 }
 _NP = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
-
-
-@dataclass(frozen=True)
-class OwnError:
-    """How far a call's dumped output is from the float64 replay of its own inputs (one output tensor)."""
-
-    dtype: str
-    elements: int
-    max_abs: float
-    max_rel: float
-    mean_rel: float
-    rmse: float
-    rel_share: float  # share of the elements whose relative error (floored denominator) passes the bound
-    small_breaches: int  # small elements off by more than msprobe's absolute bound (reported, not gating)
-    ulp_mean: float | None  # float32 and float16: mean error in ULPs of the dumped dtype
-    nonfinite_mismatch: int  # elements finite on one side only, or NaN on one side only
-    out_of_line: bool
-    reason: str
-
-    def to_dict(self) -> dict[str, object]:
-        return {k: v for k, v in self.__dict__.items()}
 
 
 def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
