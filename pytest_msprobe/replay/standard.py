@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pytest_msprobe.format.own_errors import OwnError
+from pytest_msprobe.format.own_errors import SHARE_BOUNDS, OwnError
 
 # dtype -> (small-value bound, absolute error allowed on small values, relative-error bound and share bound)
 _STANDARD = {
@@ -47,7 +47,8 @@ def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
     small = np.abs(r) < small_bound
     floor = max(small_bound, 0.1 * float(np.median(np.abs(r)))) if r.size else small_bound
     rel = diff / np.maximum(np.abs(r), floor)
-    rel_share = float(np.count_nonzero(rel > rel_bound)) / rel.size if rel.size else 0.0
+    shares = tuple(float(np.count_nonzero(rel > b)) / rel.size if rel.size else 0.0 for b in SHARE_BOUNDS)
+    rel_share = shares[SHARE_BOUNDS.index(rel_bound)]
     small_breaches = int(np.count_nonzero(diff[small] > small_abs))
     ulp_mean = None
     if dtype in ("float32", "float16") and r.size:
@@ -73,13 +74,15 @@ def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
         nonfinite_mismatch=mismatch,
         out_of_line=bool(reasons),
         reason="; ".join(reasons),
+        shares=(shares[0], shares[1], shares[2]),
     )
 
 
 def shape_error(dtype: str, got: tuple[int, ...], want: tuple[int, ...], elements: int) -> OwnError:
     """The own error of an output whose replay has another shape than its dump: out of line, by structure."""
     reason = f"the replay's shape {list(got)} is not the dumped {list(want)}"
-    return OwnError(dtype, elements, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None, 0, True, reason)
+    # every element counts as off: a re-judging by share bound keeps it out of line
+    return OwnError(dtype, elements, 0.0, 0.0, 0.0, 0.0, 1.0, 0, None, 0, True, reason, (1.0, 1.0, 1.0))
 
 
 def judge_output(node: dict[str, Any], want: Any, got: Any, sum_to_shape: bool = False) -> OwnError | None:
