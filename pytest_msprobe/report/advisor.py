@@ -20,7 +20,7 @@ from pytest_msprobe.compare.result import (
     shape_differs,
     unmatched_share,
 )
-from pytest_msprobe.report.text import first_unmatched_text
+from pytest_msprobe.report.text import call_site, first_unmatched_text
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
 _NONDETERMINISTIC = re.compile(
@@ -28,15 +28,6 @@ _NONDETERMINISTIC = re.compile(
     r"batch_norm|lstm|gru|rnn|embedding_bag|scatter|index_add|index_put|softmax|attention|cumsum",
     re.IGNORECASE,
 )
-_LIBRARY_FRAME = re.compile(r"site-packages|dist-packages|/torch/|/msprobe/|pytest_msprobe", re.IGNORECASE)
-
-
-def _call_site(frames: tuple[str, ...]) -> str | None:
-    """The first stack frame in the user's code (not torch, msprobe or installed packages)."""
-    for frame in frames:
-        if not _LIBRARY_FRAME.search(frame):
-            return " ".join(frame.split())
-    return None
 
 
 def _model_differs(result: CompareResult, fd: Divergence) -> bool:
@@ -170,7 +161,7 @@ def advice(result: CompareResult, fd: Divergence) -> str:
     ranks = _other_ranks(result, fd)
     if ranks:
         text.append(ranks)
-    site = _call_site(result.stacks.get(api.api, ()))
+    site = call_site(result.stacks.get(api.api, ()))
     if site:
         text.append(f"Called from: {site}.")
     return " ".join(text)

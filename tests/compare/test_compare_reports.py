@@ -143,7 +143,12 @@ def test_advisor_when_everything_passes(tmp_path: Path) -> None:
 def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> None:
     result, paths = reported
     doc = json.loads(Path(paths["summary"]).read_text())
-    assert set(doc) == {"passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts"}
+    assert set(doc) == {
+        "passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts", "self_check",
+    }  # fmt: skip
+    # own errors where the tensors could be replayed; a statistics or md5 dump without self_check.json has none
+    assert (doc["self_check"] is not None) == (result.mode == "tensor")
+    assert doc["first_divergence"]["rule"] == ("out of line" if result.mode == "tensor" else "enters")
     assert doc["missing"] == []
     cov = doc["coverage"]
     assert (cov["passed"], cov["max_unmatched"], cov["reason"], cov["over"], cov["first_unmatched"]) == (
