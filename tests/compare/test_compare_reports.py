@@ -176,6 +176,7 @@ def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> 
         "step": 0,
         "rank": 0,
         "reason": result.first_divergence.reason,  # type: ignore[union-attr]
+        "rule": result.first_divergence.rule,  # type: ignore[union-attr]
     }
     assert doc["failures"] and all(
         set(f) == {"api", "row", "step", "rank", "reason"} for f in doc["failures"]
