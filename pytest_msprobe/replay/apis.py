@@ -2,7 +2,7 @@
 
 ``Functional.conv2d.0.forward`` is ``torch.nn.functional.conv2d``, ``Torch.matmul...`` ``torch.matmul``,
 ``Tensor.add_...`` the method ``torch.Tensor.add_`` (called with the tensor first), ``VF.lstm...``
-``torch._VF.lstm``. A call that cannot be replayed faithfully gets a reason instead: random ops (their output is
+``torch._VF.lstm``, ``Aten.add.Tensor...`` ``torch.ops.aten.add.Tensor``. A call that cannot be replayed faithfully gets a reason instead: random ops (their output is
 a draw, not a function of the inputs), collectives (they need the other ranks), NPU custom ops (they need
 torch_npu) and names torch does not have.
 """
@@ -31,7 +31,15 @@ _NAMESPACES: dict[str, Callable[[str], Any]] = {
     "Torch": lambda op: getattr(torch, op, None),
     "Tensor": lambda op: getattr(torch.Tensor, op, None),
     "VF": lambda op: getattr(torch._VF, op, None),
+    "Aten": lambda op: _aten(op),
 }
+
+
+def _aten(op: str) -> Any:
+    """``add.Tensor`` -> ``torch.ops.aten.add.Tensor``; ``add`` -> its overload packet."""
+    name, _, overload = op.partition(".")
+    packet = getattr(torch.ops.aten, name, None)
+    return getattr(packet, overload, None) if packet is not None and overload else packet
 
 
 class Target(NamedTuple):
@@ -55,7 +63,7 @@ def resolve(name: str) -> Target:
         return Target(api, None, "a collective: it needs the other ranks")
     if prefix == "NPU":
         return Target(api, None, "an NPU custom op: it needs torch_npu")
-    if op in RANDOM:
+    if op.partition(".")[0] in RANDOM:  # (an Aten name carries its overload: native_dropout.default)
         return Target(api, None, "a random op: its output is a draw, not a function of its inputs")
     lookup = _NAMESPACES.get(prefix)
     fn = lookup(op) if lookup is not None and op else None
