@@ -203,3 +203,21 @@ def test_a_breach_no_call_explains_is_named_rounding(tmp_path: Path, monkeypatch
     assert not result.passed and result.out_of_line == []
     assert fd is not None and fd.rule == "rounding" and fd.api == "Functional.linear.0.forward"
     assert fd.reason.startswith("no API is out of line: the difference builds up from rounding")
+
+
+def test_the_cli_gates_on_own_errors_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pytest_msprobe.cli import main
+
+    npu, bench = dump_dir("26.2.0", "npu", "stat_L1", 0), dump_dir("26.2.0", "bench", "stat_L1", 0)
+    code = main(["compare", str(npu), str(bench), "-o", str(tmp_path / "a"), "--self-check"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "dump.json" in err and "no self_check.json beside it" in err
+    # a tensor pair: own errors from the replay; the console names them
+    npu, bench = dump_dir("26.2.0", "npu", "tensor_L1", 0), dump_dir("26.2.0", "bench", "tensor_L1", 0)
+    code = main(["compare", str(npu), str(bench), "-o", str(tmp_path / "b"), "--self-check"])
+    out = capsys.readouterr().out
+    assert code == 1 and f"1 out of line (first: {RELU}, step 0, rank 0)" in out
+    assert (tmp_path / "b" / "own_errors.csv").is_file()
