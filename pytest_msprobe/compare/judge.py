@@ -284,9 +284,9 @@ def check_tensors(
             problem=NONFINITE,
         )
         return _tensor_notes(check, target, baseline)
-    error = metrics.error or 0.0
+    error, peak = metrics.error or 0.0, metrics.peak or 0.0
     if metrics.max_abs_err is not None and metrics.max_abs_err <= tol.atol:
-        error = 0.0
+        error = peak = 0.0
     status = PASS
     reasons = []
     if error > tol.error:
@@ -295,6 +295,13 @@ def check_tensors(
         status = WARNING
     if status != PASS:
         reasons.append(_tensor_errors(metrics, tol))
+    elif peak > tol.error:
+        # the tensor agrees as a whole and a few elements do not: what an element-wise division by a value near
+        # zero makes of rounding on any two devices (Adam's update of a weight whose gradient is rounding noise)
+        status = WARNING
+        reasons.append(
+            f"a few elements differ more than the tensor as a whole: {_tensor_errors(metrics, tol)}"
+        )
     if msprobe_rule and accuracy == "No":
         status = ERROR
         reasons.append(

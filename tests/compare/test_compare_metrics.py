@@ -83,9 +83,9 @@ def test_our_scaled_errors() -> None:
     d = np.float32(1.001) - np.float32(1)
     assert m.rel_l2 == pytest.approx(d / math.sqrt(1.001**2 + 4 + 9), rel=1e-6)
     assert m.scaled_max_abs == pytest.approx(d / 3, rel=1e-6)
-    assert m.error == max(m.rel_l2 or 0, m.scaled_max_abs or 0)
+    assert (m.error, m.peak) == (m.rel_l2, m.scaled_max_abs)  # the verdict's error: the tensor's as a whole
     zeros = tensor_metrics(np.zeros(3, f32), np.zeros(3, f32))
-    assert (zeros.rel_l2, zeros.scaled_max_abs, zeros.error) == (0.0, 0.0, 0.0)
+    assert (zeros.rel_l2, zeros.scaled_max_abs, zeros.error, zeros.peak) == (0.0, 0.0, 0.0, 0.0)
     one_side = tensor_metrics(np.full(4, 1e-6, f32), np.zeros(4, f32))
     assert (one_side.rel_l2, one_side.scaled_max_abs) == (1.0, 1.0)  # all of it differs
 

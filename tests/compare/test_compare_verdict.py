@@ -127,6 +127,20 @@ def test_tensor_rows() -> None:
     assert check_tensors(t, b, nan, F32, True).status == ERROR
 
 
+def test_a_few_elements_off_while_the_tensor_agrees_is_a_warning() -> None:
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal(16384).astype(np.float32)
+    t, b = leaf(tensor([16384], -4.0, 4.0, 0.0, 128.0)), leaf(tensor([16384], -4.0, 4.0, 0.0, 128.0))
+    one = base.copy()
+    one[77] += np.float32(3e-4 * np.abs(base).max())  # (Adam's update of a weight whose gradient is noise)
+    check = check_tensors(t, b, tensor_metrics(one, base), F32, True)
+    assert check.status == WARNING and check.error is not None and check.error < 1e-4
+    assert check.reason.startswith("a few elements differ more than the tensor as a whole: RelL2Err")
+    # the same size of error in every element fails
+    dense = (base * (1 + 1e-3 * rng.standard_normal(base.size))).astype(np.float32)
+    assert check_tensors(t, b, tensor_metrics(dense, base), F32, True).status == ERROR
+
+
 def test_a_tensor_row_with_a_mask_fill_is_judged_outside_it() -> None:
     rng = np.random.default_rng(1)
     scores = (0.4 * rng.standard_normal((8, 16))).astype(np.float32)
