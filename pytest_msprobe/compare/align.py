@@ -11,6 +11,9 @@ most like it (same tensor dtypes and shapes, then the closest statistics). APIs 
 ``fuzzy`` also pairs the leftovers between two aligned calls one to one, in order, when their tensors have the
 same dtypes and shapes although their names differ (``Tensor.__add__`` vs ``Torch.add``, a fused NPU API vs
 its GPU counterpart).
+
+Last, independent calls of one API that ran in another order (q, k and v projections) are paired by what they
+read rather than by their counters (:mod:`pytest_msprobe.compare.interchange`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from pytest_msprobe.compare.editscript import best_script, myers, slide
+from pytest_msprobe.compare.interchange import pair_by_content
 from pytest_msprobe.compare.metrics import stat_metrics
 from pytest_msprobe.compare.records import TENSOR, ApiEntry
 from pytest_msprobe.format.names import is_parameters_grad
@@ -36,6 +40,7 @@ class Alignment:
 
     pairs: tuple[tuple[int | None, int | None], ...]
     method: str  # "names", "ordered" or "fuzzy"
+    by_content: int = 0  # forward calls paired by their inputs rather than their counters (see interchange)
 
     @property
     def matched(self) -> int:
@@ -61,8 +66,11 @@ def signature(entry: ApiEntry) -> tuple[Hashable, ...]:
 
 
 def align(target: Sequence[ApiEntry], baseline: Sequence[ApiEntry], fuzzy: bool = False) -> Alignment:
+    """The pairs of two dumps' entries (see the module docstring); interchangeable calls that ran in another
+    order are then paired by content (:mod:`pytest_msprobe.compare.interchange`)."""
     if [e.name for e in target] == [e.name for e in baseline]:
-        return Alignment(tuple((i, i) for i in range(len(target))), "names")
+        pairs, moved = pair_by_content([(i, i) for i in range(len(target))], target, baseline)
+        return Alignment(tuple(pairs), "names", moved)
     # parameters_grad entries are named by module path, which is unique, but msprobe versions put them in
     # different places (8.3.3 after the module's forward, 26.x in backward order): pair them by name
     t_reg = [i for i, e in enumerate(target) if not is_parameters_grad(e.name)]
@@ -71,7 +79,8 @@ def align(target: Sequence[ApiEntry], baseline: Sequence[ApiEntry], fuzzy: bool 
     if fuzzy:
         core, method = _fuzzy(core, target, baseline), "fuzzy"
     extras = _pair_parameters_grad(target, baseline)
-    return Alignment(tuple(_insert(core, extras)), method)
+    pairs, moved = pair_by_content(_insert(core, extras), target, baseline)
+    return Alignment(tuple(pairs), method, moved)
 
 
 def _align_ordered(

@@ -14,6 +14,14 @@ RelL2Err (ours)             EucDist / max(|n|₂, |b|₂); 0 when both are zero
 ScaledMaxAbsErr (ours)      MaxAbsErr / max(max|n|, max|b|); 0 when both are zero
 =========================== ==================================================================================
 
+**A fill that sets the scale.** A tensor whose largest values are one fill value that both sides hold at the
+same places (an attention mask written with ``masked_fill(mask, -1e4)``, ``-1e9``, ``finfo.min``), at least
+:data:`FILL_GAP` times every other value, would have its differences measured against the fill: a drift of 1%
+of the unmasked scores is 1e-6 of a -1e4 fill. Such a fill is found as the tensor is read, and RelL2Err and
+ScaledMaxAbsErr are also given for the values outside it (``rest_rel_l2``, ``rest_scaled_max_abs``), measured
+against their own size. A value that is not the same on both sides is never a fill; NaN/Inf at the same places
+are set to 0 first (a ``-inf`` mask needs nothing more).
+
 Edge cases: NaN/Inf at the same positions with the same values are set to 0 on both sides and the rest is
 compared (``nonfinite="same"``); anywhere else no metric is given (``nonfinite="different"``). A shape
 mismatch gives no metric. Empty tensors give no metric. int and bool are compared as floats. A 0-d tensor is
@@ -41,6 +49,9 @@ from pytest_msprobe.format.tensordata import TensorFile, compute_dtype
 
 EPS = float(np.finfo(np.float32).eps)
 BLOCK = 1 << 16
+# a fill must be at least this many times every other value of its tensor (on both sides) to be set apart:
+# then a scale that includes it understates the other values' differences by as much
+FILL_GAP = 64.0
 
 
 @dataclass(frozen=True)
@@ -59,13 +70,30 @@ class TensorMetrics:
     numel: int = 0  # values compared (a complex element is two)
     note: str = ""
     shape_differs: bool = False  # the two tensors have other shapes: no metric at all
+    # a fill value both sides hold at the same places, which dominates every other value (see the module doc)
+    fill: float | None = None
+    fill_count: int = 0  # elements holding it
+    rest_rel_l2: float | None = None  # RelL2Err of the values outside the fill
+    rest_scaled_max_abs: float | None = None  # ScaledMaxAbsErr of the values outside the fill
 
     @property
     def error(self) -> float | None:
-        """The scaled error the verdict uses: the larger of RelL2Err and ScaledMaxAbsErr."""
-        if self.rel_l2 is None or self.scaled_max_abs is None:
+        """The scaled error the verdict uses: RelL2Err, of the values outside the fill when there is one.
+
+        The error of the tensor as a whole (its norm against the tensor's), not of its worst element: an
+        element-wise operation that divides by a value near zero (Adam's ``m / (sqrt(v) + eps)`` for a weight
+        whose gradient is rounding noise) turns rounding into a few elements far off on any two devices.
+        """
+        if self.rel_l2 is None:
             return None
-        return max(self.rel_l2, self.scaled_max_abs)
+        return self.rest_rel_l2 if self.rest_rel_l2 is not None else self.rel_l2
+
+    @property
+    def peak(self) -> float | None:
+        """The worst element's scaled error: ScaledMaxAbsErr, of the values outside the fill when there is one."""
+        if self.scaled_max_abs is None:
+            return None
+        return self.rest_scaled_max_abs if self.rest_scaled_max_abs is not None else self.scaled_max_abs
 
 
 class _Acc:
@@ -79,11 +107,17 @@ class _Acc:
         "c5",
         "count",
         "dd",
+        "fill",
+        "fill_n",
+        "fill_value",
         "max_a",
         "max_abs",
         "max_b",
         "max_rel",
         "nonfinite",
+        "rest_aa",
+        "rest_bb",
+        "rest_top",
     )
 
     def __init__(self) -> None:
@@ -91,6 +125,10 @@ class _Acc:
         self.max_abs = self.max_rel = self.max_a = self.max_b = 0.0
         self.c1 = self.c5 = self.count = 0
         self.nonfinite: str | None = None
+        # the fill candidate: the largest magnitude of the baseline so far, the elements found holding it on
+        # both sides, and the sums and largest magnitude of every other element (of both sides)
+        self.fill = self.fill_value = self.rest_aa = self.rest_bb = self.rest_top = 0.0
+        self.fill_n = 0
 
 
 def _as_blocks(x: TensorFile | np.ndarray, block: int) -> Iterator[np.ndarray]:
@@ -174,9 +212,12 @@ def _block(acc: _Acc, a: np.ndarray, b: np.ndarray, d: np.ndarray, r: np.ndarray
     acc.ab += ab
     acc.bb += bb
     acc.dd += dd
-    acc.max_a = max(acc.max_a, float(a.max()), -float(a.min()))
+    top_a = max(float(a.max()), -float(a.min()))
+    acc.max_a = max(acc.max_a, top_a)
     absb = np.abs(b, out=r)
-    acc.max_b = max(acc.max_b, float(absb.max()))
+    top_b = float(absb.max())
+    acc.max_b = max(acc.max_b, top_b)
+    _track_fill(acc, a, b, absb, aa, bb, top_a, top_b)
     np.abs(d, out=d)
     block_max = float(d.max())
     if block_max == 0.0:  # identical block: every relative error is 0
@@ -190,6 +231,62 @@ def _block(acc: _Acc, a: np.ndarray, b: np.ndarray, d: np.ndarray, r: np.ndarray
     acc.c1 += int(np.count_nonzero(rel < 0.001))
     acc.c5 += int(np.count_nonzero(rel < 0.005))
     return True
+
+
+def _track_fill(
+    acc: _Acc,
+    a: np.ndarray,
+    b: np.ndarray,
+    absb: np.ndarray,
+    aa: float,
+    bb: float,
+    top_a: float,
+    top_b: float,
+) -> None:
+    """Follow the fill candidate through one block: the baseline's largest magnitude, when every element of the
+    block that comes within :data:`FILL_GAP` of it holds exactly it, on both sides."""
+    if top_b > acc.fill:  # a larger top: the old candidate's elements are values like the others
+        acc.rest_aa += acc.fill_n * acc.fill * acc.fill
+        acc.rest_bb += acc.fill_n * acc.fill * acc.fill
+        if acc.fill_n:
+            acc.rest_top = max(acc.rest_top, acc.fill)
+        acc.fill, acc.fill_n = top_b, 0
+    elif top_b < acc.fill or top_b == 0.0:  # (the usual case once the tensor's top is known: no extra work)
+        acc.rest_aa += aa
+        acc.rest_bb += bb
+        acc.rest_top = max(acc.rest_top, top_a, top_b)
+        return
+    held = None
+    if top_a <= top_b:  # (a larger target value is never a fill)
+        n_top = int(np.count_nonzero(absb == top_b))
+        if np.count_nonzero(absb >= top_b / FILL_GAP) == n_top:  # nothing else comes near the top
+            held = absb == top_b
+            if not np.array_equal(a[held], b[held]):
+                held = None
+    if held is None:  # values near the top that vary, or differ between the sides: no fill
+        acc.rest_aa += aa
+        acc.rest_bb += bb
+        acc.rest_top = max(acc.rest_top, top_a, top_b)
+        return
+    rest = ~held
+    if rest.any():
+        ra, rb = a[rest].astype(np.float64), b[rest].astype(np.float64)
+        acc.rest_aa += float(np.dot(ra, ra))
+        acc.rest_bb += float(np.dot(rb, rb))
+        acc.rest_top = max(acc.rest_top, float(np.abs(ra).max()), float(np.abs(rb).max()))
+    if not acc.fill_n:
+        acc.fill_value = float(b[held][0])
+    acc.fill_n += int(np.count_nonzero(held))
+
+
+def _rest_errors(acc: _Acc, euc: float) -> tuple[float | None, float | None]:
+    """RelL2Err and ScaledMaxAbsErr of the values outside the fill; (None, None) when there is no fill."""
+    if acc.fill_n < 2 or acc.fill < FILL_GAP * acc.rest_top:  # (one element is an outlier, not a fill)
+        return None, None
+    norm = max(math.sqrt(acc.rest_aa), math.sqrt(acc.rest_bb))
+    if norm == 0.0:  # the rest is zero on both sides, so every difference is at the fill: there is none
+        return 0.0, 0.0
+    return euc / norm, acc.max_abs / acc.rest_top
 
 
 def _finish(acc: _Acc, numel: int) -> TensorMetrics:
@@ -218,6 +315,7 @@ def _finish(acc: _Acc, numel: int) -> TensorMetrics:
     top_abs = max(acc.max_a, acc.max_b)
     if acc.nonfinite == "same":
         note = (note + "; " if note else "") + "NaN/Inf at the same positions on both sides were set to 0"
+    rest_rel_l2, rest_scaled = _rest_errors(acc, euc)
     return TensorMetrics(
         cosine=cosine,
         euc_dist=euc,
@@ -230,6 +328,10 @@ def _finish(acc: _Acc, numel: int) -> TensorMetrics:
         nonfinite=acc.nonfinite,
         numel=numel,
         note=note,
+        fill=acc.fill_value if rest_rel_l2 is not None else None,
+        fill_count=acc.fill_n if rest_rel_l2 is not None else 0,
+        rest_rel_l2=rest_rel_l2,
+        rest_scaled_max_abs=rest_scaled,
     )
 
 

@@ -342,8 +342,8 @@ def row_metric(row: RowResult) -> str:
         return f"{STAT_NAMES[row.stat.worst]} (scaled)"
     if row.tensor is not None:
         t = row.tensor
-        if t.rel_l2 is not None and t.scaled_max_abs is not None:
-            return "RelL2Err" if t.rel_l2 >= t.scaled_max_abs else "ScaledMaxAbsErr"
+        if t.rel_l2 is not None:  # (the verdict's error: TensorMetrics.error)
+            return "RelL2Err" if t.rest_rel_l2 is None else "RelL2Err (outside the fill)"
         return "tensor"
     if row.target is not None and row.target.md5 is not None:
         return "md5"

@@ -11,12 +11,15 @@ import re
 from pytest_msprobe.compare.result import (
     ERROR,
     OUT_OF_LINE,
+    OUTPUT,
     ROUNDING,
     UNMATCHED_CAUSES,
     ApiResult,
     CompareResult,
     Divergence,
     collective,
+    fmt_number,
+    is_tensor,
     shape_differs,
     unmatched_share,
 )
@@ -158,6 +161,9 @@ def advice(result: CompareResult, fd: Divergence) -> str:
             f"{_op_name(api.api)} can be nondeterministic by nature (parallel reductions): make sure both runs "
             "called seed_all(seed, mode=True) before concluding."
         )
+    fill = fill_note(result, fd)
+    if fill:
+        text.append(fill)
     ranks = _other_ranks(result, fd)
     if ranks:
         text.append(ranks)
@@ -165,6 +171,47 @@ def advice(result: CompareResult, fd: Divergence) -> str:
     if site:
         text.append(f"Called from: {site}.")
     return " ".join(text)
+
+
+def fill_note(result: CompareResult, fd: Divergence) -> str | None:
+    """In statistics (and md5) mode: that an input of the first divergence has its range set by a mask fill
+    (its Min or Max -1e4, -1e9, +-inf or the dtype's extreme on both sides, dominating the other), so its
+    statistics cannot show a drift of its other values and the error may enter before; None otherwise."""
+    if result.mode == "tensor":
+        return None  # (tensor mode measures the values outside a fill)
+    for i in result.apis[fd.api_index].rows:
+        row = result.rows[i]
+        t, b = row.target, row.baseline
+        if row.role == OUTPUT or not is_tensor(t) or not is_tensor(b):
+            continue
+        for name, mine, theirs, other in (("Min", t.min, b.min, b.max), ("Max", t.max, b.max, b.min)):
+            if mine is None or mine != theirs or other is None or not _is_fill(mine, other, b.dtype):
+                continue
+            return (
+                f"{row.row} has {name} {fmt_number(mine)} on both sides, a mask fill that sets its range: its "
+                "statistics (Max, Min, Mean, Norm) cannot show a drift of its other values, so the error may "
+                f"enter before {fd.api} (at the call that writes the fill, a masked_fill or an add of the mask); "
+                "a dump with task='tensor' shows it."
+            )
+    return None
+
+
+_FILLS = (1e4, 1e9)  # the usual mask fills (with +-inf and the dtype's extreme)
+
+
+def _is_fill(value: float, other: float, dtype: str | None) -> bool:
+    """Whether ``value`` is a mask fill of a tensor of ``dtype`` whose other extreme is ``other``."""
+    size = abs(value)
+    if math.isinf(size):
+        return True
+    if math.isnan(size) or size < 64 * abs(other):  # it must dominate the tensor's other values
+        return False
+    name = (dtype or "").replace("torch.", "")
+    extremes = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
+    candidates = [*_FILLS, extremes.get(name, 0.0), 1.7976931348623157e308]
+    if name == "bfloat16":  # -1e4 is -9984 there, -1e9 -999292928
+        candidates += [9984.0, 999292928.0]
+    return any(math.isclose(size, c, rel_tol=1e-6) for c in candidates)
 
 
 def _other_ranks(result: CompareResult, fd: Divergence) -> str | None:

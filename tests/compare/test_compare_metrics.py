@@ -83,9 +83,9 @@ def test_our_scaled_errors() -> None:
     d = np.float32(1.001) - np.float32(1)
     assert m.rel_l2 == pytest.approx(d / math.sqrt(1.001**2 + 4 + 9), rel=1e-6)
     assert m.scaled_max_abs == pytest.approx(d / 3, rel=1e-6)
-    assert m.error == max(m.rel_l2 or 0, m.scaled_max_abs or 0)
+    assert (m.error, m.peak) == (m.rel_l2, m.scaled_max_abs)  # the verdict's error: the tensor's as a whole
     zeros = tensor_metrics(np.zeros(3, f32), np.zeros(3, f32))
-    assert (zeros.rel_l2, zeros.scaled_max_abs, zeros.error) == (0.0, 0.0, 0.0)
+    assert (zeros.rel_l2, zeros.scaled_max_abs, zeros.error, zeros.peak) == (0.0, 0.0, 0.0, 0.0)
     one_side = tensor_metrics(np.full(4, 1e-6, f32), np.zeros(4, f32))
     assert (one_side.rel_l2, one_side.scaled_max_abs) == (1.0, 1.0)  # all of it differs
 
@@ -235,3 +235,81 @@ def test_cosine_of_parallel_tensors_of_very_different_sizes(ratio: float) -> Non
     m = tensor_metrics(a, a * f32(ratio))
     assert m.cosine is not None and math.isclose(m.cosine, 1.0, abs_tol=1e-6)
     assert tensor_metrics(a, -a * f32(ratio)).cosine == pytest.approx(-1.0, abs=1e-6)
+
+
+# --------------------------------------------------------------------------------------- a fill sets the scale
+def _scores(
+    fill: float, drift: float = 0.0, heads: int = 6, length: int = 40
+) -> tuple[np.ndarray, np.ndarray]:
+    """Causally masked attention scores (target, baseline): the unmasked ones of the target drift by ``drift``."""
+    rng = np.random.default_rng(3)
+    scores = (0.4 * rng.standard_normal((heads, length, length))).astype(f32)
+    masked = np.triu(np.ones((length, length), bool), 1)
+    baseline = np.where(masked, f32(fill), scores).astype(f32)
+    target = np.where(masked, f32(fill), scores * f32(1 + drift)).astype(f32)
+    return target, baseline
+
+
+@pytest.mark.parametrize("fill", [-1e4, -1e9, float(np.finfo(f32).min)])
+@pytest.mark.parametrize("block", [100, 1 << 16])
+def test_a_mask_fill_does_not_hide_a_drift_of_the_other_values(fill: float, block: int) -> None:
+    target, baseline = _scores(fill, drift=0.0096)
+    m = tensor_metrics(target, baseline, block=block)
+    assert m.rel_l2 is not None and m.rel_l2 < 1e-6  # the whole tensor's scale is the fill's
+    assert (m.fill, m.fill_count) == (float(f32(fill)), 6 * 40 * 39 // 2)
+    assert m.rest_rel_l2 == pytest.approx(0.0096, rel=0.02)
+    assert m.rest_scaled_max_abs == pytest.approx(0.0096, rel=0.02)
+    assert m.error is not None and m.error > 1e-4  # the float32 tolerance
+
+
+def test_values_outside_a_fill_are_measured_like_any_tensor() -> None:
+    target, baseline = _scores(-1e4)
+    rng = np.random.default_rng(4)
+    noisy = np.where(target == f32(-1e4), target, target * (1 + 1e-7 * rng.standard_normal(target.shape)))
+    m = tensor_metrics(noisy.astype(f32), baseline)
+    assert m.fill == -1e4 and m.rest_rel_l2 is not None and m.rest_rel_l2 < 2e-7
+    assert tensor_metrics(baseline, baseline.copy()).error == 0.0
+
+
+def test_a_minus_inf_mask_is_left_out_with_the_other_nonfinite_values() -> None:
+    target, baseline = _scores(-math.inf, drift=0.0096)
+    m = tensor_metrics(target, baseline)
+    assert m.nonfinite == "same" and m.fill is None
+    assert m.rel_l2 == pytest.approx(0.0096, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "target, baseline",
+    [
+        # the top values differ between the sides: a result of computation, not a fill
+        ([1e4, 1e4 + 1, 0.5, 0.25], [1e4, 1e4, 0.5, 0.25]),
+        # values near the top that vary (an additive mask: scores - 1e4)
+        ([-1e4 + 0.5, -1e4 - 0.25, 0.5, 0.25], [-1e4 + 0.5, -1e4 - 0.25, 0.501, 0.25]),
+        # a saturated activation (relu6): the fill does not dominate the rest
+        ([6.0, 6.0, 5.5, 1.0], [6.0, 6.0, 5.5, 1.001]),
+        # one large value is an outlier, not a fill
+        ([1e4, 0.5, 0.25, 0.125], [1e4, 0.5, 0.25, 0.126]),
+        # a larger target value is never a fill
+        ([1e4, 1e4, 2e4, 0.25], [1e4, 1e4, 0.5, 0.25]),
+    ],
+)
+def test_what_is_not_a_fill(target: list[float], baseline: list[float]) -> None:
+    m = tensor_metrics(np.array(target, f32), np.array(baseline, f32))
+    assert (m.fill, m.rest_rel_l2, m.rest_scaled_max_abs) == (None, None, None)
+
+
+def test_a_fill_found_in_a_later_block_sets_the_earlier_ones_apart_too() -> None:
+    rng = np.random.default_rng(6)
+    baseline = rng.standard_normal(1000).astype(f32)
+    baseline[600:] = -1e4  # the fill only in the later blocks
+    target = baseline.copy()
+    target[:600] *= f32(1.01)
+    m = tensor_metrics(target, baseline, block=128)
+    assert m.fill == -1e4 and m.fill_count == 400
+    assert m.rest_rel_l2 == pytest.approx(0.01 / 1.01, rel=1e-3)
+    # a larger fill after it: the first one is one of the other values then
+    later = np.concatenate([baseline, np.full(200, -1e9, f32)]).astype(f32)
+    moved = np.concatenate([target, np.full(200, -1e9, f32)]).astype(f32)
+    m = tensor_metrics(moved, later, block=128)
+    assert (m.fill, m.fill_count) == (-1e9, 200)
+    assert m.rest_rel_l2 is not None and m.rest_rel_l2 < 1e-5  # measured against the -1e4 values too

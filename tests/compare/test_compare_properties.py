@@ -131,10 +131,10 @@ def test_nan_and_inf_at_the_same_places_are_left_out(
         assert m.cosine is zeroed.cosine is None
     else:
         assert math.isclose(m.cosine, zeroed.cosine, abs_tol=1e-5)
-    for name in ("euc_dist", "rel_l2"):
+    for name in ("euc_dist", "rel_l2", "rest_rel_l2"):
         assert _close(getattr(m, name), getattr(zeroed, name), rel=1e-5), name
     for f in fields(TensorMetrics):
-        if f.name not in ("nonfinite", "note", "cosine", "euc_dist", "rel_l2"):
+        if f.name not in ("nonfinite", "note", "cosine", "euc_dist", "rel_l2", "rest_rel_l2"):
             assert getattr(m, f.name) == getattr(zeroed, f.name), f.name
 
 

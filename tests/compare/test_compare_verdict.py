@@ -22,7 +22,16 @@ from pytest_msprobe.compare.judge import (
 )
 from pytest_msprobe.compare.metrics import tensor_metrics
 from pytest_msprobe.compare.records import OUTPUT, Leaf, flatten_entry
-from pytest_msprobe.compare.result import ERROR, PASS, SKIPPED, UNMATCHED, WARNING, ApiResult, RowResult
+from pytest_msprobe.compare.result import (
+    ERROR,
+    PASS,
+    SKIPPED,
+    UNMATCHED,
+    WARNING,
+    ApiResult,
+    RowResult,
+    row_metric,
+)
 from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
 
 F32 = Tolerance(1e-4, 1e-5, 1e-12)
@@ -116,6 +125,37 @@ def test_tensor_rows() -> None:
     assert check_tensors(t, b, empty, F32, True).status == SKIPPED
     nan = tensor_metrics(np.array([1, np.nan], np.float32), np.array([1, 2], np.float32))
     assert check_tensors(t, b, nan, F32, True).status == ERROR
+
+
+def test_a_few_elements_off_while_the_tensor_agrees_is_a_warning() -> None:
+    rng = np.random.default_rng(2)
+    base = rng.standard_normal(16384).astype(np.float32)
+    t, b = leaf(tensor([16384], -4.0, 4.0, 0.0, 128.0)), leaf(tensor([16384], -4.0, 4.0, 0.0, 128.0))
+    one = base.copy()
+    one[77] += np.float32(3e-4 * np.abs(base).max())  # (Adam's update of a weight whose gradient is noise)
+    check = check_tensors(t, b, tensor_metrics(one, base), F32, True)
+    assert check.status == WARNING and check.error is not None and check.error < 1e-4
+    assert check.reason.startswith("a few elements differ more than the tensor as a whole: RelL2Err")
+    # the same size of error in every element fails
+    dense = (base * (1 + 1e-3 * rng.standard_normal(base.size))).astype(np.float32)
+    assert check_tensors(t, b, tensor_metrics(dense, base), F32, True).status == ERROR
+
+
+def test_a_tensor_row_with_a_mask_fill_is_judged_outside_it() -> None:
+    rng = np.random.default_rng(1)
+    scores = (0.4 * rng.standard_normal((8, 16))).astype(np.float32)
+    masked = rng.random((8, 16)) < 0.5
+    base = np.where(masked, np.float32(-1e4), scores).astype(np.float32)
+    drift = np.where(masked, base, base * np.float32(1.0096)).astype(np.float32)
+    t, b = leaf(tensor([8, 16], -1e4, 1.0, -5e3, 1e5)), leaf(tensor([8, 16], -1e4, 1.0, -5e3, 1e5))
+    check = check_tensors(t, b, tensor_metrics(drift, base), F32, True)
+    assert check.status == ERROR and check.error == pytest.approx(0.0096 / 1.0096, rel=1e-3)
+    assert check.reason.startswith(
+        "RelL2Err 0.00951, ScaledMaxAbsErr 0.00951 of the values outside the fill -1e+04 ("
+    )
+    assert "the fill, in 64 of 128 elements on both sides, sets the whole tensor's scale" in check.reason
+    row = RowResult("A.op.0.forward.output.0", None, 0, OUTPUT, t, b, *check)
+    assert row_metric(row) == "RelL2Err (outside the fill)"
 
 
 @pytest.mark.parametrize(

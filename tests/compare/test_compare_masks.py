@@ -1,0 +1,87 @@
+"""A drift hidden under a mask fill, on dumps of a real transformer: in tensor mode it is named where it enters
+(the masked_fill that writes the fill); in statistics mode the advisor says why the statistics cannot show it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from model_dumps import drift_under_mask, dump_model, float64_matmul  # noqa: E402
+
+from pytest_msprobe.compare import compare  # noqa: E402
+from pytest_msprobe.report.advisor import advisor_text  # noqa: E402
+
+FILLS = [-1e4, -1e9, float(torch.finfo(torch.float32).min)]
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``dumps(name, **dump_model options)``: a dump made once per module."""
+    root = tmp_path_factory.mktemp("masks")
+    made: dict[str, Path] = {}
+
+    def get(name: str, **options: Any) -> Path:
+        if name not in made:
+            made[name] = dump_model(root / name, **options)
+        return made[name]
+
+    return get
+
+
+def drift() -> Any:
+    return drift_under_mask(0, 0.0096)  # 0.96% of the first layer's unmasked scores
+
+
+@pytest.mark.parametrize("fill", FILLS)
+def test_a_drift_under_a_mask_fill_is_named_where_it_enters(dumps: Callable[..., Path], fill: float) -> None:
+    baseline = dumps(f"clean{fill}", fill=fill, steps=1)
+    result = compare(dumps(f"drift{fill}", fill=fill, steps=1, variant=drift), baseline, jobs=1)
+    fd = result.first_divergence
+    assert not result.passed and fd is not None
+    # (measured against the fill, the drift is 1e-6 of the tensor and under it: the error showed only at the
+    # softmax after it)
+    assert (fd.api, fd.row, fd.rule) == (
+        "Tensor.masked_fill.0.forward",
+        "Tensor.masked_fill.0.forward.output.0",
+        "enters",
+    )
+    row = result.rows[fd.row_index]
+    assert row.tensor is not None and row.tensor.fill == pytest.approx(fill)
+    assert row.tensor.rel_l2 is not None and row.tensor.rel_l2 < 1e-5  # the whole tensor's error
+    assert row.error == pytest.approx(0.0096 / 1.0096, rel=0.01)  # the values outside the fill
+    assert "of the values outside the fill" in fd.reason
+
+
+def test_in_statistics_mode_the_advisor_says_a_fill_hides_the_drift(dumps: Callable[..., Path]) -> None:
+    baseline = dumps("clean-stat", task="statistics", steps=1)
+    result = compare(dumps("drift-stat", task="statistics", steps=1, variant=drift), baseline, jobs=1)
+    fd = result.first_divergence
+    assert fd is not None and fd.api == "Functional.softmax.0.forward"  # where the statistics first see it
+    assert (
+        "Functional.softmax.0.forward.input.0 has Min -1e+04 on both sides, a mask fill that sets its range"
+        in advisor_text(result)
+    )
+
+
+def test_float64_matmul_passes_under_the_fill(dumps: Callable[..., Path]) -> None:
+    for task in ("tensor", "statistics"):
+        baseline = dumps(f"clean-{task}-3", task=task)
+        result = compare(dumps(f"float64-{task}-3", task=task, variant=float64_matmul), baseline, jobs=1)
+        assert result.passed, [a.reason for a in result.failures]
+        if task == "tensor":
+            masked = [
+                r
+                for r in result.rows
+                if r.row.startswith("Tensor.masked_fill.") and r.row.endswith(".forward.output.0")
+            ]
+            assert len(masked) == 2 * 3  # two layers, three steps
+            for row in masked:
+                assert row.tensor is not None and row.tensor.fill == -1e4
+                assert (
+                    row.error is not None and row.error < 1e-6
+                )  # the scores' own rounding, outside the fill
