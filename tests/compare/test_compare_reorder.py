@@ -59,7 +59,7 @@ def test_a_fault_in_one_projection_is_named_at_its_call(dumps: Callable[..., Pat
     result = compare(faulty, baseline, jobs=1)
     fd = result.first_divergence
     assert not result.passed and fd is not None
-    assert (fd.api, fd.step, fd.rule) == ("Functional.linear.2.forward", 0, "enters")
+    assert (fd.api, fd.step, fd.rule) == ("Functional.linear.2.forward", 0, "out of line")
     assert result.apis[fd.api_index].bench_api == "Functional.linear.0.forward"  # the baseline's q
     assert pairing(result, 0)["Functional.linear.0.forward"] == "Functional.linear.2.forward"  # v with v
 
