@@ -16,12 +16,14 @@ The own error compares the call's dumped output with the float64 replay of its d
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
 from pytest_msprobe.format.own_errors import OwnError
+from pytest_msprobe.replay.figures import figures
 
 # dtype -> (small-value bound, absolute error allowed on small values, relative-error bound and share bound)
 _STANDARD = {
@@ -31,28 +33,32 @@ _STANDARD = {
     "bfloat16": (2.0**-8, 2.0**-16, 1e-2),
 }
 _NP = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
+_WIDENED = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))  # read as they are
 
 
 def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
-    """The own error of one output: ``dumped`` as recorded (widened to float64), ``replay`` in float64."""
+    """The own error of one output: ``dumped`` as recorded (float32 and float16 are widened as they are read),
+    ``replay`` in float64."""
     small_bound, small_abs, rel_bound = _STANDARD.get(dtype, _STANDARD["float32"])
-    d = np.asarray(dumped, dtype=np.float64).ravel()
+    d = np.asarray(dumped).ravel()
+    if d.dtype not in _WIDENED:
+        d = d.astype(np.float64)
     r = np.asarray(replay, dtype=np.float64).ravel()
     n = int(d.size)
-    finite = np.isfinite(d) & np.isfinite(r)
-    same_special = (~np.isfinite(d)) & (~np.isfinite(r)) & ((d == r) | (np.isnan(d) & np.isnan(r)))
-    mismatch = int(np.count_nonzero(~finite & ~same_special))
-    d, r = d[finite], r[finite]
-    diff = np.abs(d - r)
-    small = np.abs(r) < small_bound
-    floor = max(small_bound, 0.1 * float(np.median(np.abs(r)))) if r.size else small_bound
-    rel = diff / np.maximum(np.abs(r), floor)
-    rel_share = float(np.count_nonzero(rel > rel_bound)) / rel.size if rel.size else 0.0
-    small_breaches = int(np.count_nonzero(diff[small] > small_abs))
-    ulp_mean = None
-    if dtype in ("float32", "float16") and r.size:
-        spacing = np.spacing(np.abs(r).astype(_NP[dtype])).astype(np.float64)
-        ulp_mean = float(np.mean(diff / np.maximum(spacing, np.finfo(np.float64).tiny)))
+    ulp_type = _NP[dtype] if dtype in ("float32", "float16") else None
+
+    def floor_of(median: float) -> float:
+        return max(small_bound, 0.1 * median)
+
+    judged = figures(d, r, (small_bound, small_abs), rel_bound, floor_of, ulp_type)
+    mismatch = 0
+    if not judged.finite:  # a value that is not finite on a side (or a difference that overflows)
+        finite = np.isfinite(d) & np.isfinite(r)
+        same_special = (~np.isfinite(d)) & (~np.isfinite(r)) & ((d == r) | (np.isnan(d) & np.isnan(r)))
+        mismatch = int(np.count_nonzero(~finite & ~same_special))
+        judged = figures(d[finite], r[finite], (small_bound, small_abs), rel_bound, floor_of, ulp_type)
+    size = judged.size
+    rel_share = judged.over / size if size else 0.0
     reasons = []
     if mismatch:
         reasons.append(f"{mismatch} element(s) finite on one side only")
@@ -63,13 +69,13 @@ def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
     return OwnError(
         dtype=dtype,
         elements=n,
-        max_abs=float(diff.max()) if diff.size else 0.0,
-        max_rel=float(rel.max()) if rel.size else 0.0,
-        mean_rel=float(rel.mean()) if rel.size else 0.0,
-        rmse=float(np.sqrt(np.mean(diff**2))) if diff.size else 0.0,
+        max_abs=judged.max_abs,
+        max_rel=judged.max_rel,
+        mean_rel=judged.sum_rel / size if size else 0.0,
+        rmse=math.sqrt(judged.sum_sq / size) if size else 0.0,
         rel_share=rel_share,
-        small_breaches=small_breaches,
-        ulp_mean=ulp_mean,
+        small_breaches=judged.small_breaches,
+        ulp_mean=judged.ulp_sum / size if ulp_type is not None and size else None,
         nonfinite_mismatch=mismatch,
         out_of_line=bool(reasons),
         reason="; ".join(reasons),

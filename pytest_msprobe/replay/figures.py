@@ -1,0 +1,331 @@
+"""The figures of an own error (:mod:`.standard`), computed fast: a step's outputs are judged while it runs.
+
+A tensor pair is read block by block into buffers that stay in the cache (numpy's whole-array passes would each
+go to memory, and allocate); the blocks of a large tensor are shared among worker threads (as many as torch's
+own, numpy lets go of the GIL in its loops). Two passes: the first gives everything but the relative errors,
+and brackets the median magnitude from a sample (the median is then selected among the few values within the
+bracket: a partition of the whole array costs ~20 ns an element); the second, the floor known, gives the
+relative errors. A block whose values are all equal to their replay's (relu, max_pool2d, a gradient passed
+through) contributes nothing but its magnitudes to the median, and is not read again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+BLOCK = 1 << 15  # elements of a block
+_SHARED = 4 * BLOCK  # tensors from this size on are shared among the workers
+_SAMPLE = 1 << 13  # magnitudes sampled to bracket the median
+_GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+@dataclass
+class Figures:
+    """The figures of one tensor pair (of its finite elements)."""
+
+    size: int = 0
+    max_abs: float = 0.0
+    sum_sq: float = 0.0
+    small_breaches: int = 0
+    ulp_sum: float = 0.0
+    over: int = 0  # elements whose relative error passes the bound
+    max_rel: float = 0.0
+    sum_rel: float = 0.0
+    finite: bool = True  # False: some value is not finite on a side (nothing else is filled in)
+
+
+def figures(
+    d: np.ndarray,
+    r: np.ndarray,
+    small: tuple[float, float],
+    rel_bound: float,
+    floor_of: Callable[[float], float],
+    ulp_type: Any,
+) -> Figures:
+    """The figures of ``d`` (as dumped: float64, float32 or float16) against ``r`` (float64), flat arrays.
+
+    ``small``: (small-value bound, the absolute error allowed below it); ``floor_of(median magnitude)``: the
+    floor of the relative errors' denominator; ``ulp_type``: the dtype whose ULPs the mean error is counted in
+    (None: not counted). ``finite`` is False when some value is not finite on a side (or a difference
+    overflows): judge the finite elements alone.
+    """
+    n = int(d.size)
+    out = Figures(size=n)
+    if not n:
+        return out
+    bracket = _bracket(r) if n >= 4 * _SAMPLE else None
+    ranges = _ranges(n)
+    firsts = _map(lambda span: _first(d, r, span, small, ulp_type, bracket), ranges)
+    if any(f is None for f in firsts):
+        return Figures(size=n, finite=False)
+    parts = [f for f in firsts if f is not None]
+    out.max_abs = max(p.max_abs for p in parts)
+    if out.max_abs == 0.0:  # the replay's values exactly: every figure is 0
+        return out
+    out.sum_sq = sum(p.sum_sq for p in parts)
+    out.small_breaches = sum(p.small_breaches for p in parts)
+    out.ulp_sum = sum(p.ulp_sum for p in parts)
+    late = [start for p in parts for start in p.unbracketed]
+    if bracket is not None and late:  # blocks passed over while their range was exact: their magnitudes
+        for extra in _map(lambda starts: _bracket_blocks(r, starts, bracket), _split(late)):
+            parts.append(extra)
+    floor = _floor(r, bracket, parts, floor_of)
+    seconds = _map(lambda p: _second(d, r, p.inexact, floor, rel_bound), parts)
+    out.over = sum(s[0] for s in seconds)
+    out.max_rel = max(s[1] for s in seconds)
+    out.sum_rel = sum(s[2] for s in seconds)
+    return out
+
+
+@dataclass
+class _First:
+    """What the first pass over a range of blocks gives."""
+
+    max_abs: float = 0.0
+    sum_sq: float = 0.0
+    small_breaches: int = 0
+    ulp_sum: float = 0.0
+    inexact: list[int] = field(default_factory=list)  # starts of the blocks that differ from the replay
+    unbracketed: list[int] = field(default_factory=list)  # starts of exact blocks whose magnitudes wait
+    below: int = 0  # magnitudes under the median's bracket
+    at_lo: int = 0  # magnitudes at its low end
+    inside: list[np.ndarray] = field(default_factory=list)  # magnitudes within it
+
+
+class _Buffers:
+    """The buffers of one thread, reused from block to block and from tensor to tensor (:func:`_buffers`)."""
+
+    def __init__(self) -> None:
+        width = BLOCK
+        self.diff = np.empty(width)
+        self.magnitude = np.empty(width)
+        self.mask = np.empty(width, dtype=bool)
+        self.mask2 = np.empty(width, dtype=bool)
+        self.narrow: np.ndarray | None = None  # magnitudes in the dumped dtype (ULPs)
+        self.exponents: np.ndarray | None = None
+
+    def fill(self, d: np.ndarray, r: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """|d - r| and |r| of the block at ``start``."""
+        stop = min(start + BLOCK, d.size)
+        diff, magnitude = self.diff[: stop - start], self.magnitude[: stop - start]
+        np.subtract(d[start:stop], r[start:stop], out=diff)
+        np.abs(diff, out=diff)
+        np.abs(r[start:stop], out=magnitude)
+        return diff, magnitude
+
+    def count_bracket(self, magnitude: np.ndarray, bracket: tuple[float, float], into: _First) -> None:
+        """Count the magnitudes under the bracket and at its low end (the zeros of a relu, say: many), and keep
+        those above it within it."""
+        lo, hi = bracket
+        k = magnitude.size
+        mask = self.mask[:k]
+        into.below += int(np.count_nonzero(np.less(magnitude, lo, out=mask)))
+        into.at_lo += int(np.count_nonzero(np.equal(magnitude, lo, out=mask)))
+        np.greater(magnitude, lo, out=mask)
+        np.logical_and(mask, np.less_equal(magnitude, hi, out=self.mask2[:k]), out=mask)
+        into.inside.append(np.compress(mask, magnitude))  # (3x faster than magnitude[mask])
+
+    def ulps(self, diff: np.ndarray, magnitude: np.ndarray, ulp_type: Any) -> float:
+        """The sum of ``diff`` in ULPs of ``magnitude`` rounded to ``ulp_type`` (as ``np.spacing`` gives them;
+        NaN where that rounding overflows). Overwrites ``diff``."""
+        k = diff.size
+        if self.narrow is None or self.narrow.dtype != ulp_type:
+            self.narrow = np.empty(self.diff.size, dtype=ulp_type)
+        narrow = self.narrow[:k]
+        narrow[...] = magnitude  # (an overflow: NaN ULPs below, as np.spacing gives them)
+        if ulp_type is not np.float32 or not math.isfinite(float(narrow.max())):
+            return float(np.divide(diff, np.spacing(narrow), out=diff).sum())  # (an ULP is never 0)
+        # float32: an ULP is 2^(E - 150) for a biased exponent E >= 1, 2^-149 below: its inverse is built as a
+        # float64 from the bits, four integer passes where np.spacing takes 4 ns an element
+        if self.exponents is None:
+            self.exponents = np.empty(self.diff.size, dtype=np.int64)
+        e = self.exponents[:k]
+        np.right_shift(narrow.view(np.uint32), 23, out=e, casting="unsafe")
+        np.maximum(e, 1, out=e)
+        np.subtract(150 + 1023, e, out=e)
+        np.left_shift(e, 52, out=e)
+        return float(np.multiply(diff, e.view(np.float64), out=diff).sum())
+
+
+def _first(
+    d: np.ndarray,
+    r: np.ndarray,
+    span: range,
+    small: tuple[float, float],
+    ulp_type: Any,
+    bracket: tuple[float, float] | None,
+) -> _First | None:
+    """The first pass over the blocks at ``span``; None when a value is not finite (or a difference overflows)."""
+    with np.errstate(invalid="ignore", over="ignore"):  # (per thread) inf - inf, an overflow: found below
+        return _first_blocks(d, r, span, small, ulp_type, bracket)
+
+
+def _first_blocks(
+    d: np.ndarray,
+    r: np.ndarray,
+    span: range,
+    small: tuple[float, float],
+    ulp_type: Any,
+    bracket: tuple[float, float] | None,
+) -> _First | None:
+    out = _First()
+    buffers = _buffers()
+    small_bound, small_abs = small
+    for start in span:
+        diff, magnitude = buffers.fill(d, r, start)
+        top = float(diff.max())
+        if not math.isfinite(top):
+            return None
+        if top == 0.0:  # the replay's values exactly: only the median needs its magnitudes, if anything does
+            if bracket is not None and out.inexact:
+                buffers.count_bracket(magnitude, bracket, out)
+            elif bracket is not None:
+                out.unbracketed.append(start)
+            continue
+        if bracket is not None and not out.inexact and out.unbracketed:
+            late, out.unbracketed = out.unbracketed, []
+            _bracket_into(r, late, bracket, buffers, out)
+            diff, magnitude = buffers.fill(d, r, start)
+        out.inexact.append(start)
+        out.max_abs = max(out.max_abs, top)
+        out.sum_sq += float(np.einsum("i,i->", diff, diff))  # (np.dot: BLAS threads, which spin)
+        mask = buffers.mask[: diff.size]
+        if np.less(magnitude, small_bound, out=mask).any():
+            out.small_breaches += int(np.count_nonzero(np.compress(mask, diff) > small_abs))
+        if bracket is not None:
+            buffers.count_bracket(magnitude, bracket, out)
+        if ulp_type is not None:  # the mean error in ULPs of the dumped dtype (last: it overwrites diff)
+            out.ulp_sum += buffers.ulps(diff, magnitude, ulp_type)
+    return out
+
+
+def _bracket_into(
+    r: np.ndarray, starts: list[int], bracket: tuple[float, float], buffers: _Buffers, into: _First
+) -> None:
+    for start in starts:
+        stop = min(start + BLOCK, r.size)
+        magnitude = buffers.magnitude[: stop - start]
+        np.abs(r[start:stop], out=magnitude)
+        buffers.count_bracket(magnitude, bracket, into)
+
+
+def _bracket_blocks(r: np.ndarray, starts: list[int], bracket: tuple[float, float]) -> _First:
+    out = _First()
+    _bracket_into(r, starts, bracket, _buffers(), out)
+    return out
+
+
+_LOCAL = threading.local()
+
+
+def _buffers() -> _Buffers:
+    """The calling thread's buffers (made on its first use: fresh ones would be fresh pages each time)."""
+    buffers = getattr(_LOCAL, "buffers", None)
+    if buffers is None:
+        buffers = _LOCAL.buffers = _Buffers()
+    return cast(_Buffers, buffers)
+
+
+def _bracket(r: np.ndarray) -> tuple[float, float]:
+    """Magnitudes that enclose the median of ``|r|`` (checked by the counts: a miss falls back to np.median)."""
+    # positions spread by the golden ratio: a regular stride would fall in step with a tensor's rows
+    picks = (np.arange(min(_SAMPLE, r.size)) * _GOLDEN % 1.0 * r.size).astype(np.intp)
+    sample = np.sort(np.abs(r[picks]))
+    m = sample.size
+    spread = 2 * int(math.sqrt(m)) + 8  # four standard deviations of the sample median's rank, and some
+    return float(sample[max(0, m // 2 - spread)]), float(sample[min(m - 1, m // 2 + spread)])
+
+
+def _floor(
+    r: np.ndarray,
+    bracket: tuple[float, float] | None,
+    parts: list[_First],
+    floor_of: Callable[[float], float],
+) -> float:
+    """``floor_of(np.median(|r|))``, the median selected within its bracket."""
+    n = int(r.size)
+    below = sum(p.below for p in parts)
+    at_lo = below + sum(p.at_lo for p in parts)  # magnitudes up to the bracket's low end
+    inside = [a for p in parts for a in p.inside]
+    top = at_lo + sum(a.size for a in inside)  # ... up to its high end
+    ranks = [(n - 1) // 2, n // 2]  # the middle one, or the middle two
+    if bracket is None or not below <= ranks[0] or not ranks[1] < top:
+        return floor_of(float(np.median(np.abs(r))))
+    if floor_of(bracket[1]) == floor_of(0.0):  # the floor is its least whatever the median within the bracket
+        return floor_of(0.0)
+    above = [k - at_lo for k in ranks if k >= at_lo]
+    middle = np.partition(np.concatenate(inside), above) if above else np.empty(0)
+    a, b = (bracket[0] if k < at_lo else middle[k - at_lo] for k in ranks)
+    return floor_of(float(a) if n % 2 else float(np.mean([a, b])))
+
+
+def _second(
+    d: np.ndarray, r: np.ndarray, starts: list[int], floor: float, rel_bound: float
+) -> tuple[int, float, float]:
+    """(elements whose relative error passes ``rel_bound``, the largest, their sum) over the blocks at
+    ``starts``, with the floor known."""
+    over, max_rel, sum_rel = 0, 0.0, 0.0
+    buffers = _buffers()
+    for start in starts:
+        diff, magnitude = buffers.fill(d, r, start)
+        rel = np.divide(diff, np.maximum(magnitude, floor, out=magnitude), out=diff)
+        over += int(np.count_nonzero(np.greater(rel, rel_bound, out=buffers.mask[: rel.size])))
+        max_rel = max(max_rel, float(rel.max()))
+        sum_rel += float(rel.sum())
+    return over, max_rel, sum_rel
+
+
+# ------------------------------------------------------------------------------------------------ workers
+_POOL: dict[str, Any] = {}  # the pool, its size and the process that made it (a forked child makes its own)
+_POOL_LOCK = threading.Lock()
+
+
+def _workers() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _ranges(n: int) -> list[range]:
+    """The block starts of a tensor of ``n`` elements, one contiguous range per worker."""
+    starts = range(0, n, BLOCK)
+    if n < _SHARED:
+        return [starts]
+    return _split(starts)
+
+
+def _split(starts: Any) -> list[Any]:
+    k = min(_workers(), len(starts))
+    size = -(-len(starts) // k)
+    return [starts[i : i + size] for i in range(0, len(starts), size)]
+
+
+def _map(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """``[fn(item) for item in items]``, the items shared among the workers (the last on this thread)."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    pool = _pool()
+    futures = [pool.submit(fn, item) for item in items[:-1]]
+    last = fn(items[-1])
+    return [f.result() for f in futures] + [last]
+
+
+def _pool() -> ThreadPoolExecutor:
+    with _POOL_LOCK:
+        key = (_workers(), os.getpid())
+        if _POOL.get("key") != key:
+            old = _POOL.get("pool")
+            if old is not None and _POOL["key"][1] == key[1]:
+                old.shutdown(wait=False)
+            _POOL["pool"] = ThreadPoolExecutor(
+                max_workers=key[0] - 1 or 1, thread_name_prefix="pytest-msprobe-judge"
+            )
+            _POOL["key"] = key
+        return cast(ThreadPoolExecutor, _POOL["pool"])
