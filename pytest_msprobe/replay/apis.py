@@ -5,6 +5,9 @@
 ``torch._VF.lstm``. A call that cannot be replayed faithfully gets a reason instead: random ops (their output is
 a draw, not a function of the inputs), collectives (they need the other ranks), NPU custom ops (they need
 torch_npu) and names torch does not have.
+
+The callables are torch's own, as :mod:`.pristine` captured them, whatever stands in torch's namespaces now
+(a faulty function a test put there, the dump's wrappers).
 """
 
 from __future__ import annotations
@@ -12,9 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import torch
-
 from pytest_msprobe.format.names import parse_name
+from pytest_msprobe.replay import pristine
 
 # outputs that are draws: replaying them gives another draw, not the same value
 RANDOM = frozenset(
@@ -26,12 +28,7 @@ RANDOM = frozenset(
         "native_dropout", "fused_dropout",
     }
 )  # fmt: skip
-_NAMESPACES: dict[str, Callable[[str], Any]] = {
-    "Functional": lambda op: getattr(torch.nn.functional, op, None),
-    "Torch": lambda op: getattr(torch, op, None),
-    "Tensor": lambda op: getattr(torch.Tensor, op, None),
-    "VF": lambda op: getattr(torch._VF, op, None),
-}
+_NAMESPACES = frozenset({"Functional", "Torch", "Tensor", "VF"})
 
 
 class Target(NamedTuple):
@@ -57,8 +54,7 @@ def resolve(name: str) -> Target:
         return Target(api, None, "an NPU custom op: it needs torch_npu")
     if op in RANDOM:
         return Target(api, None, "a random op: its output is a draw, not a function of its inputs")
-    lookup = _NAMESPACES.get(prefix)
-    fn = lookup(op) if lookup is not None and op else None
+    fn = pristine.lookup(prefix, op) if prefix in _NAMESPACES and op else None
     if fn is None or not callable(fn):
         return Target(api, None, f"{api} is not an API this torch has")
     return Target(api, fn, "")
