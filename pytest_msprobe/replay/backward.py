@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.replay.apis import resolve
+from pytest_msprobe.replay.apis import Target, resolve
 from pytest_msprobe.replay.standard import OwnError, judge_output
 from pytest_msprobe.replay.values import (
     Unreplayable,
+    as_leaf,
     flat,
     is_tensor_node,
     load_tensor,
@@ -37,17 +38,8 @@ def replay_backward(
     if target.fn is None:
         return (), target.reason
 
-    def leaf(node: dict[str, Any]) -> torch.Tensor:
-        tensor = load_tensor(node, tensor_dir)
-        # as recorded: batch_norm's running statistics take no gradient, and may not be asked for one
-        if (tensor.is_floating_point() or tensor.is_complex()) and node.get(
-            "requires_grad", True
-        ) is not False:
-            tensor.requires_grad_(True)
-        return tensor
-
     try:
-        args, kwargs = rebuild_inputs(forward, leaf)
+        args, kwargs = rebuild_inputs(forward, lambda node: as_leaf(node, load_tensor(node, tensor_dir)))
         incoming = [
             load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in flat(backward.get("input"))
         ]
@@ -55,13 +47,34 @@ def replay_backward(
         dumped = [load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in recorded]
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc)
-    if target.inplace and args and isinstance(args[0], torch.Tensor):
-        args[0] = args[0].clone()  # a leaf that needs a gradient cannot be changed in place
+    out, why = run_call(target, args, kwargs, grad=True)
+    if why:
+        return (), why
+    return judge_backward(out, incoming, recorded, dumped)
+
+
+def run_call(target: Target, args: list[Any], kwargs: dict[str, Any], grad: bool) -> tuple[Any, str]:
+    """Replay a call from its rebuilt arguments: ``(outputs, "")``, or ``(None, reason)`` when it raised.
+
+    ``grad``: with gradients on, so that the backward replay can call the node of its output (an in-place
+    call then changes a copy of its tensor: a leaf that needs a gradient cannot be changed in place).
+    """
+    assert target.fn is not None
+    if grad and target.inplace and args and isinstance(args[0], torch.Tensor):
+        args[0] = args[0].clone()
     try:
-        with torch.enable_grad():
-            out = target.fn(*args, **kwargs)
-    except Exception as exc:
-        return (), raised("the replay", exc)
+        with torch.enable_grad() if grad else torch.no_grad():
+            return target.fn(*args, **kwargs), ""
+    except Exception as exc:  # a call its own recorded inputs do not rebuild: say so, do not guess
+        return None, raised("the replay", exc)
+
+
+def judge_backward(
+    out: Any, incoming: list[Any], recorded: list[Any], dumped: list[Any]
+) -> tuple[OwnErrors, str]:
+    """The own errors of a call's outgoing gradients: the node of its replayed ``out`` (run with gradients on)
+    given the ``incoming`` gradients (float64), against the ``dumped`` outgoing ones (``recorded``: their
+    nodes, for the dtypes); ``((), reason)`` when they cannot be judged."""
     outputs = [t for t in flat(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     nodes = {id(t.grad_fn): t.grad_fn for t in outputs}
     if len(nodes) != 1:
