@@ -15,6 +15,9 @@ calls x input/output x 4 MiB per dump) are compared with ``--jobs 1`` and ``--jo
     python bench/compare_throughput.py --json           # the same as JSON
     python bench/compare_throughput.py --repeat 5 --cache /tmp/msprobe-bench
 
+The tensor cases run with ``--no-replay`` (the compare itself) and once as the command runs by default, each
+call of both sides replayed in float64 for its own error (see ``bench/replay_cost.py``).
+
 Reference, measured on the same kind of machine with msprobe's own compare on the 1.07 GB pair: 8.3.3
 7.6 s, 26.2.0 14.5 s (~390 MB peak); a statistics compare ~3.5 s. Goals: <= 1.5 s at <= 400 MB, and a
 statistics compare <= 1 s. Timings on a shared machine are noisy: compare the runs of one invocation.
@@ -234,11 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         # in a child: a child's peak RSS (from wait4) counts its parent's memory at fork, and torch is large
         subprocess.run([sys.executable, __file__, "--build-only", "--cache", str(root)], check=True)
     cases = {**build(root), **build_ranks(root)}
-    one, two = ["--jobs", "1"], ["--jobs", "2"]
+    # the tensor compares are timed without the float64 replay of every call (what the compare itself costs),
+    # and once with it, as the command runs by default
+    one, two = ["--jobs", "1", "--no-replay"], ["--jobs", "2", "--no-replay"]
     runs: dict[str, tuple[Path, list[str]]] = {}
     if args.cases in ("all", "single"):
         runs["tensor, --jobs 1"] = (cases["tensor"], one)
         runs["tensor, --jobs 2"] = (cases["tensor"], two)
+        runs["tensor, replayed (default)"] = (cases["tensor"], [])
         runs["statistics"] = (cases["statistics"], one)
     if args.cases in ("all", "ranks"):
         for case in ("ranks statistics", "ranks tensor"):

@@ -106,6 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "-hl", "--highlight", action="store_true", help=argparse.SUPPRESS
     )  # msprobe's; always on here
+    cmp.add_argument(
+        "--self-check",
+        dest="self_check",
+        action="store_true",
+        help="fail when a call's own error (its output against the float64 replay of its own inputs) is out "
+        "of line; the target needs own errors: a self_check.json beside each dump.json, or tensor files",
+    )
+    cmp.add_argument(
+        "--no-replay",
+        dest="replay",
+        action="store_false",
+        help="do not replay tensor dumps to find each call's own error (self_check.json files are still read)",
+    )
     cmp.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     add_threshold_options(cmp.add_argument)
     rep = commands.add_parser(
@@ -183,6 +196,8 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         mode=args.mode,
         jobs=args.jobs,
         stack=args.stack_mode and stack_path is None,
+        self_check=args.self_check,
+        replay=args.replay,
     )
     if args.stack_mode and stack_path is not None:
         # the compare.json names the stack file: msprobe reads it instead of the one beside the dump

@@ -4,6 +4,9 @@ Over all compared API calls in execution order (forward, then backward; steps; r
 collectives they share, see :mod:`pytest_msprobe.compare.rank_order`), the first of these rules that applies
 places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
 
+0. *out of line*: where calls have own errors (each call's output against the float64 replay of its own
+   inputs, see :mod:`pytest_msprobe.compare.own`), the earliest call whose own error is out of line, at any
+   step and whatever flowed into it, unless rule 1 finds a call without own errors earlier.
 1. *enters*: the earliest call whose outputs breach while its inputs match (every input within a tenth of its
    tolerance: an input close to its line may have pushed the output over). The inputs of a backward call are
    the gradients flowing in plus the tensors its forward call saw (a backward kernel reads them); a module's
@@ -19,6 +22,8 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
    least ``amplification`` (10) times its input error.
 4. *inherited*: otherwise the earliest breaching call; its inputs already differ, so the error entered before
    this dump.
+5. *rounding*: when rule 1 or 3 lands on a call whose own error is in line and no call is out of line, the
+   difference is no call's fault: it builds up from rounding (a new device may need a looser tolerance).
 """
 
 from __future__ import annotations
@@ -33,14 +38,18 @@ from pytest_msprobe.compare.result import (
     ERROR,
     GROWS,
     INHERITED,
+    OUT_OF_LINE,
+    ROUNDING,
     STRUCTURAL,
     UNMATCHED,
     ApiResult,
     Divergence,
+    OwnVerdict,
     RowResult,
     fmt_number,
     shape_differs,
 )
+from pytest_msprobe.format.own_errors import OwnError
 
 # an input whose error exceeds this fraction of its tolerance does not count as matching the baseline (the
 # warning level of the default dtype table): an output can only be where the error enters if its inputs are clean
@@ -55,20 +64,35 @@ def first_divergence(
     opaque: Collection[int] = (),
     peers: Mapping[int, Sequence[int]] | None = None,
     structural: Mapping[int, int] | None = None,
+    own: Mapping[int, OwnVerdict] | None = None,
+    self_check: bool = False,
 ) -> Divergence | None:
     """Where the error enters (see the module docstring). ``feeds[i]`` are the calls whose tensors call ``i``
     also reads (a backward call's forward call; a parameters_grad's module backward); the inputs of the
     calls in ``opaque`` are unknown, so the error cannot be shown to enter there. ``peers[i]`` are the same
     collective as call ``i`` on the other ranks of its group: their inputs are inputs of call ``i`` too (an
     all_reduce sums every rank's input), their outputs are not (they are the same result, and differ when
-    call ``i``'s does). ``structural[i]`` is the call only one side makes whose output call ``i`` reads."""
+    call ``i``'s does). ``structural[i]`` is the call only one side makes whose output call ``i`` reads.
+    ``own[i]`` is call ``i``'s own-error verdict, where it has one; an out-of-line call is a divergence of
+    its own only with ``self_check`` (then it fails the compare), otherwise where something breaches."""
+    own = own or {}
     calls = _Calls(apis, rows, feeds, opaque, peers or {})
     compared = sorted((api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED)
     breaching = [i for _, i in compared if apis[i].output_breach]
     found = _enters(calls, breaching)
+    out_of_line = min(((apis[i].order, i) for i, v in own.items() if v.out_of_line), default=None)
+    failing = self_check or any(apis[i].status == ERROR for _, i in compared)
+    if (
+        out_of_line is not None
+        and failing
+        and (found is None or out_of_line[0] <= apis[found.api_index].order or found.api_index in own)
+    ):
+        return _out_of_line(calls, out_of_line[1], own[out_of_line[1]])
     if found is not None:
-        return found
+        return _rounding(calls, found, own)
     fallback = _grows(calls, breaching, amplification)
+    if fallback is not None:
+        fallback = _rounding(calls, fallback, own)
     if fallback is None:
         fallback = _inherited(
             calls, breaching or [i for _, i in compared if apis[i].status == ERROR], amplification
@@ -244,6 +268,56 @@ def _structural(calls: _Calls, structural: Mapping[int, int]) -> Divergence | No
         f"{first.reason}): the error enters with this extra call"
     )
     return calls.at(source, STRUCTURAL, why, out_rows[0])
+
+
+def _out_of_line(calls: _Calls, i: int, v: OwnVerdict) -> Divergence:
+    base = v.baseline
+    theirs = (
+        f"; the baseline's own error: {own_summary(base)}"
+        if base is not None
+        else "; the baseline has no own error to hold it to"
+    )
+    why = (
+        f"its own error is out of line ({v.reason}): against the float64 replay of its own inputs, "
+        f"{own_summary(v.target)}{theirs}: the error enters here, whatever flowed into it"
+    )
+    return calls.at(i, OUT_OF_LINE, why)
+
+
+def own_summary(err: OwnError | None) -> str:
+    """``0.900% of 4096 elements off, max rel 0.0101, RMSE 1.2e-05`` for an own error; ``none`` for None."""
+    if err is None:
+        return "none"
+    return (
+        f"{err.rel_share:.3%} of {err.elements} elements off, max rel {fmt_number(err.max_rel)}, "
+        f"RMSE {fmt_number(err.rmse)}"
+    )
+
+
+def _rounding(calls: _Calls, found: Divergence, own: Mapping[int, OwnVerdict]) -> Divergence:
+    """``found`` (rule 1 or 3) renamed for what it is when its call's own error is in line and none is out
+    of line: the difference builds up from rounding."""
+    v = own.get(found.api_index)
+    if v is None or v.out_of_line or v.skipped or any(o.out_of_line for o in own.values()):
+        return found
+    unreplayed = [
+        calls.apis[i].api
+        for i in sorted(own, key=lambda i: calls.apis[i].order)
+        if own[i].skipped
+        and calls.apis[i].status == ERROR
+        and calls.apis[i].order <= calls.apis[found.api_index].order
+    ]
+    suspects = (
+        f"; calls not replayed that breach before it: {', '.join(unreplayed[:3])}" if unreplayed else ""
+    )
+    why = (
+        f"no API is out of line: the difference builds up from rounding ({found.api} computes its output "
+        f"as its float64 replay does: {own_summary(v.target)}){suspects}. If the two devices are both right, "
+        "the new device may need a looser tolerance for this dtype"
+    )
+    return Divergence(
+        found.api, found.row, found.step, found.rank, why, ROUNDING, found.api_index, found.row_index
+    )
 
 
 def _worst_output_row(api: ApiResult, rows: Sequence[RowResult]) -> int:

@@ -18,6 +18,7 @@ from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetric
 from pytest_msprobe.compare.rank_order import collective_op
 from pytest_msprobe.compare.records import NONE, OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.thresholds import Thresholds, format_share
+from pytest_msprobe.format.own_errors import OwnError
 
 PASS, WARNING, ERROR, UNMATCHED, SKIPPED = "pass", "warning", "error", "unmatched", "skipped"
 STATUSES = (PASS, WARNING, ERROR, UNMATCHED, SKIPPED)
@@ -31,11 +32,13 @@ UNUSABLE = "unusable"  # a side's statistics cannot be compared (NaN or null in 
 
 # the rules that place the first divergence (Divergence.rule), in the order they are tried; see
 # pytest_msprobe.compare.divergence
+OUT_OF_LINE = "out of line"  # the earliest call whose own error (against its float64 replay) is out of line
 ENTERS = "enters"  # the earliest call whose outputs breach while its inputs match
 STRUCTURAL = "structural"  # a call only one side makes, after which the numbers differ
 GROWS = "grows"  # errors flow in everywhere: the earliest call that amplifies its input error
 INHERITED = "inherited"  # the earliest breaching call: its inputs already differ
-RULES = (ENTERS, STRUCTURAL, GROWS, INHERITED)
+ROUNDING = "rounding"  # no call is out of line: the difference builds up from rounding
+RULES = (OUT_OF_LINE, ENTERS, STRUCTURAL, GROWS, INHERITED, ROUNDING)
 
 
 def worst(statuses: Any) -> str:
@@ -90,6 +93,20 @@ class ApiResult:
 
 
 @dataclass(frozen=True)
+class OwnVerdict:
+    """A call's own error (its output against the float64 replay of its own inputs) on both sides, and
+    whether the target's is out of line: beyond its dtype's standard and, where the baseline has its own
+    error too, beyond the baseline's by the standard's ratios. ``target``/``baseline`` are the worst
+    output's own error on each side (None where a side has none)."""
+
+    target: OwnError | None
+    baseline: OwnError | None
+    out_of_line: bool
+    reason: str  # why it is out of line, or why it is not though the standard alone would say so
+    skipped: str = ""  # why the target's call was not replayed (then target is None)
+
+
+@dataclass(frozen=True)
 class Divergence:
     """Where the error enters: an API, its worst output row, and why it was chosen."""
 
@@ -98,7 +115,7 @@ class Divergence:
     step: int | None
     rank: int | None
     reason: str
-    rule: str  # one of RULES: ENTERS, STRUCTURAL, GROWS or INHERITED
+    rule: str  # one of RULES
     api_index: int
     row_index: int
 
@@ -231,12 +248,24 @@ class CompareResult:
     coverage: Coverage
     stacks: dict[str, tuple[str, ...]] = field(default_factory=dict)  # target API name -> call stack
     missing: tuple[str, ...] = ()  # the unpaired dumps that only the baseline has: they fail the compare
+    own: dict[int, OwnVerdict] = field(default_factory=dict)  # apis index -> own errors, where there are
+    self_check: bool = False  # whether an out-of-line call fails the compare (the self-check was asked for)
 
     @property
     def passed(self) -> bool:
-        """No API breaches, the target has every step and rank the baseline has, and enough of the baseline
-        found a partner."""
-        return not self.missing and self.coverage.passed and not any(api.status == ERROR for api in self.apis)
+        """No API breaches, the target has every step and rank the baseline has, enough of the baseline found
+        a partner, and (with the self-check) no call is out of line."""
+        return (
+            not self.missing
+            and self.coverage.passed
+            and not any(api.status == ERROR for api in self.apis)
+            and not (self.self_check and self.out_of_line)
+        )
+
+    @property
+    def out_of_line(self) -> list[ApiResult]:
+        """The calls whose own error is out of line, in execution order."""
+        return sorted((self.apis[i] for i, v in self.own.items() if v.out_of_line), key=lambda a: a.order)
 
     @property
     def failures(self) -> list[ApiResult]:
@@ -338,3 +367,38 @@ def fmt_number(x: float | None) -> str:
     if math.isinf(x) or math.isnan(x):
         return str(x)
     return f"{x:.3g}"
+
+
+@dataclass(frozen=True)
+class SelfCheckCall:
+    """One recorded call of a dump judged by its own error alone (the self-check without a baseline)."""
+
+    name: str
+    step: int | None
+    rank: int | None
+    own: OwnVerdict
+    stack: tuple[str, ...] = ()  # where the call was made (its stack.json frames), for the message
+
+
+@dataclass(frozen=True)
+class SelfCheckResult:
+    """Every recorded call of a dump with its own error: the gate of a run without a baseline."""
+
+    dump: str
+    calls: tuple[SelfCheckCall, ...]  # in execution order: steps, ranks, then each dump's own order
+
+    @property
+    def out_of_line(self) -> list[SelfCheckCall]:
+        return [c for c in self.calls if c.own.out_of_line]
+
+    @property
+    def passed(self) -> bool:
+        return not self.out_of_line
+
+    @property
+    def checked(self) -> int:
+        return sum(1 for c in self.calls if not c.own.skipped)
+
+    @property
+    def skipped(self) -> int:
+        return sum(1 for c in self.calls if c.own.skipped)

@@ -18,6 +18,7 @@ from pytest_msprobe.compare.align import align
 from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.explain import explain_in_place, explain_structural
+from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
 from pytest_msprobe.compare.records import read_dump, read_stack
 from pytest_msprobe.compare.result import (
@@ -32,6 +33,8 @@ from pytest_msprobe.compare.result import (
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import ConfigError, DumpFormatError
 from pytest_msprobe.format.layout import DumpLocation, discover
+from pytest_msprobe.format.names import FORWARD, parse_name
+from pytest_msprobe.format.own_errors import SELF_CHECK_JSON
 
 MODES = ("auto", "statistics", "tensor", "md5")
 
@@ -45,6 +48,8 @@ def compare(
     mode: str = "auto",
     jobs: int | None = None,
     stack: bool = False,
+    self_check: bool = False,
+    replay: bool = True,
 ) -> CompareResult:
     """Compare a target dump with a baseline dump.
 
@@ -55,6 +60,12 @@ def compare(
     (there is nothing to hold it to). ``mode`` is ``auto`` (tensor when both dumps hold tensors, md5 when both
     hold CRCs, else statistics) or one of those. ``stack`` attaches every call's stack (for the xlsx); the
     first divergence's stack is always attached.
+
+    Own errors (each call's output against the float64 replay of its own inputs, see
+    :mod:`pytest_msprobe.compare.own`) are read from each dump's ``self_check.json``, or, in tensor mode with
+    ``replay``, computed by replaying the dumps' tensors; the first divergence uses them where they exist.
+    With ``self_check`` an out-of-line call fails the compare, and a target dump without own errors raises
+    DumpFormatError: the check asked for could not be made.
 
     ``jobs`` processes (default: the CPUs this process may use) compare the dump pairs (step, rank), each pair
     whole in one process (parsing, alignment, statistics, tensor metrics); a single pair spreads its tensor
@@ -86,8 +97,27 @@ def compare(
         builder.merge(part)
     rows, apis, feeds, peers = builder.finish()
     coverage = measure_coverage(rows, apis, builder.pairs, thresholds.max_unmatched)
+    tensors = replay and builder.mode == "tensor"
+    t_own = [load_own(t_loc.path, tensors) for t_loc, _ in pairs]
+    if self_check:
+        for (t_loc, _), own_of in zip(pairs, t_own):
+            if own_of is None:
+                raise DumpFormatError(t_loc.path, f"no {SELF_CHECK_JSON} beside it: {NO_OWN_ERRORS}")
+    b_own = [
+        load_own(b_loc.path, tensors) if found is not None else None
+        for (_, b_loc), found in zip(pairs, t_own)
+    ]
+    own = own_verdicts(apis, t_own, b_own, thresholds)
     divergence = first_divergence(
-        apis, rows, feeds, thresholds.amplification, builder.opaque, peers, builder.structural
+        apis,
+        rows,
+        feeds,
+        thresholds.amplification,
+        builder.opaque,
+        peers,
+        builder.structural,
+        own,
+        self_check,
     )
     stacks: dict[str, tuple[str, ...]] = {}
     if stack:
@@ -95,7 +125,8 @@ def compare(
             for name, frames in read_stack(t_loc.path).items():
                 stacks.setdefault(name, tuple(frames))
     elif divergence is not None:
-        found = read_stack(pairs[apis[divergence.api_index].pair][0].path).get(divergence.api)
+        by_name = read_stack(pairs[apis[divergence.api_index].pair][0].path)
+        found = by_name.get(divergence.api) or by_name.get(parse_name(divergence.api).with_direction(FORWARD))
         if found:
             stacks[divergence.api] = tuple(found)
     return CompareResult(
@@ -112,6 +143,8 @@ def compare(
         timestamp=datetime.datetime.now().strftime("%Y%m%d%H%M%S"),
         coverage=coverage,
         stacks=stacks,
+        own=own,
+        self_check=self_check,
     )
 
 

@@ -100,6 +100,37 @@ DEFAULT_DTYPE_TOLERANCES: Mapping[str, Tolerance] = {
 # for a missing backward or optimizer step (more than half of a training step's rows)
 DEFAULT_MAX_UNMATCHED = 0.05
 
+
+@dataclass(frozen=True)
+class OwnRatios:
+    """How many times the baseline's own error a call's own error may be (msprobe's benchmark comparison):
+    the count of small values off by more than the absolute bound, the RMSE, the mean and the largest
+    relative error."""
+
+    small: float
+    rmse: float
+    mean_rel: float
+    max_rel: float
+
+
+# msprobe's guard levels: L2 for the APIs whose precision training is most sensitive to, L1 for a few with
+# indexed writes, L0 for every other
+OWN_LEVELS: Mapping[str, OwnRatios] = {
+    "L0": OwnRatios(2.0, 2.0, 2.0, 10.0),
+    "L1": OwnRatios(2.0, 1.5, 1.5, 5.0),
+    "L2": OwnRatios(2.0, 1.2, 1.2, 2.0),
+}
+OWN_LEVEL_OF: Mapping[str, str] = {
+    **{op: "L2" for op in (
+        "addmm", "matmul", "mm", "bmm", "linear", "layer_norm", "gelu", "sum", "index", "one_hot",
+        "nonzero", "cross_entropy", "rms_norm", "npu_rms_norm",
+    )},
+    **{op: "L1" for op in ("embedding", "scatter_", "scatter_add_", "npu_fusion_attention")},
+}  # fmt: skip
+# the share of a call's elements that may be more than the measuring bound off (1e-3 relative for float32
+# and float64, 1e-2 for half types: msprobe's "double thousandths" and "double hundredths")
+DEFAULT_OWN_SHARE: Mapping[str, float] = {"float64": 1e-3, "float32": 1e-3, "float16": 1e-2, "bfloat16": 1e-2}
+
 FLOATING = frozenset(name for name, tol in DEFAULT_DTYPE_TOLERANCES.items() if tol.error > 0)
 
 _ALIASES = {
@@ -146,6 +177,8 @@ class ApiRule:
     warning: float | None = None
     atol: float | None = None
     skip: bool = False
+    own_share: float | None = None  # the self-check's share bound for matching calls (see OwnStandard)
+    own_level: str | None = None  # their guard level: L0, L1 or L2 (the ratios to the baseline's own error)
 
     def matches(self, api: str, row: str) -> bool:
         return fnmatchcase(api, self.pattern) or fnmatchcase(row, self.pattern)
@@ -201,6 +234,19 @@ class Thresholds:
             found = cache[key] = self.for_dtype("float32" if statistics and is_integral(dtype) else dtype)
         return found
 
+    def own_standard(self, api: str, dtype: str | None) -> tuple[float, float, OwnRatios]:
+        """The self-check's standard of a call (API rules apply, last match wins): the relative error that
+        counts an element as off, the share of its elements that may be, and the ratios its own error may
+        be to the baseline's."""
+        bound = DEFAULT_OWN_SHARE.get(normalize_dtype(dtype) or "float32", 1e-3)
+        share = bound
+        level = OWN_LEVEL_OF.get(api.split(".")[1] if api.count(".") >= 1 else api, "L0")
+        for rule in self.apis:
+            if (rule.own_share is not None or rule.own_level is not None) and rule.matches(api, api):
+                share = share if rule.own_share is None else rule.own_share
+                level = level if rule.own_level is None else rule.own_level
+        return bound, share, OWN_LEVELS[level]
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (the same shape :func:`load_thresholds_file` reads)."""
         return {
@@ -252,7 +298,7 @@ def thresholds_from_dict(doc: Any, where: str = "thresholds") -> Thresholds:
     for i, spec in enumerate(doc.get("apis") or []):
         if not isinstance(spec, dict) or not isinstance(spec.get("pattern"), str):
             raise ConfigError(f"{where}: apis[{i}] must be an object with a 'pattern' string")
-        if set(spec) - {"pattern", "error", "warning", "atol", "skip"}:
+        if set(spec) - {"pattern", "error", "warning", "atol", "skip", "own_share", "own_level"}:
             raise ConfigError(f"{where}: apis[{i}] has unknown key(s) {sorted(set(spec) - {'pattern'})}")
         rules.append(
             ApiRule(
@@ -263,6 +309,12 @@ def thresholds_from_dict(doc: Any, where: str = "thresholds") -> Thresholds:
                 else None,
                 atol=_as_float(spec["atol"], f"apis[{i}].atol", where) if "atol" in spec else None,
                 skip=bool(spec.get("skip", False)),
+                own_share=_as_float(spec["own_share"], f"apis[{i}].own_share", where)
+                if "own_share" in spec
+                else None,
+                own_level=_own_level(spec["own_level"], f"apis[{i}].own_level", where)
+                if "own_level" in spec
+                else None,
             )
         )
     amplification = _as_float(doc.get("amplification", 10.0), "amplification", where)
@@ -281,6 +333,12 @@ def thresholds_from_dict(doc: Any, where: str = "thresholds") -> Thresholds:
         except ValueError as exc:
             raise ConfigError(f"{where}: max_unmatched: {exc}") from None
     return Thresholds(dtypes, tuple(rules), amplification, msprobe_rule, max_unmatched)
+
+
+def _own_level(value: Any, what: str, where: str) -> str:
+    if value not in OWN_LEVELS:
+        raise ConfigError(f"{where}: {what} must be one of {', '.join(OWN_LEVELS)}, got {value!r}")
+    return str(value)
 
 
 def load_thresholds_file(path: str | os.PathLike[str]) -> Thresholds:

@@ -25,6 +25,7 @@ from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.files import read_json, write_text
 
 SELF_CHECK_JSON = "self_check.json"
+SHARE_BOUNDS = (1e-2, 1e-3, 1e-4)
 FORMAT = "pytest-msprobe self-check"
 VERSION = 1
 
@@ -39,15 +40,26 @@ class OwnError:
     max_rel: float
     mean_rel: float
     rmse: float
-    rel_share: float  # share of the elements whose relative error (floored denominator) passes rel_bound
+    rel_share: (
+        float  # share of the elements whose relative error (floored denominator) passes its dtype's bound
+    )
     small_breaches: int  # small elements off by more than msprobe's absolute bound (reported, not gating)
     ulp_mean: float | None  # float32 and half types: mean error in ULPs of the dumped dtype
     nonfinite_mismatch: int  # elements finite on one side only, or NaN on one side only
     out_of_line: bool  # by the dtype's standard alone, as judged where it was measured
     reason: str
+    # the shares of the elements whose relative error passes 1e-2, 1e-3 and 1e-4 (msprobe's "double
+    # hundredths, thousandths and ten-thousandths"): a call can be held to another dtype's bound later
+    shares: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    def share_over(self, bound: float) -> float:
+        """The share of elements more than ``bound`` off (``bound`` one of SHARE_BOUNDS)."""
+        return self.shares[SHARE_BOUNDS.index(bound)] if bound in SHARE_BOUNDS else self.rel_share
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        doc = asdict(self)
+        doc["shares"] = list(self.shares)
+        return doc
 
 
 _FIELDS = {f.name: f.type for f in fields(OwnError)}
@@ -136,6 +148,14 @@ def _own_error(path: Path, where: str, doc: Any) -> OwnError | None:
             ok = isinstance(value, str)
         elif key == "out_of_line":
             ok = isinstance(value, bool)
+        elif key == "shares":
+            ok = (
+                isinstance(value, list)
+                and len(value) == len(SHARE_BOUNDS)
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            )
+            if ok:
+                value = tuple(float(v) for v in value)
         elif key == "ulp_mean":
             ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
         else:

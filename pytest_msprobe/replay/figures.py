@@ -37,7 +37,7 @@ class Figures:
     sum_sq: float = 0.0
     small_breaches: int = 0
     ulp_sum: float = 0.0
-    over: int = 0  # elements whose relative error passes the bound
+    over: tuple[int, ...] = ()  # per bound: the elements whose relative error passes it
     max_rel: float = 0.0
     sum_rel: float = 0.0
     finite: bool = True  # False: some value is not finite on a side (nothing else is filled in)
@@ -47,26 +47,26 @@ def figures(
     d: np.ndarray,
     r: np.ndarray,
     small: tuple[float, float],
-    rel_bound: float,
+    rel_bounds: tuple[float, ...],
     floor_of: Callable[[float], float],
     ulp_type: Any,
 ) -> Figures:
     """The figures of ``d`` (as dumped: float64, float32 or float16) against ``r`` (float64), flat arrays.
 
-    ``small``: (small-value bound, the absolute error allowed below it); ``floor_of(median magnitude)``: the
-    floor of the relative errors' denominator; ``ulp_type``: the dtype whose ULPs the mean error is counted in
+    ``small``: (small-value bound, the absolute error allowed below it); ``rel_bounds``: the relative errors
+    whose elements are counted; ``floor_of(median magnitude)``: the floor of the relative errors' denominator; ``ulp_type``: the dtype whose ULPs the mean error is counted in
     (None: not counted). ``finite`` is False when some value is not finite on a side (or a difference
     overflows): judge the finite elements alone.
     """
     n = int(d.size)
-    out = Figures(size=n)
+    out = Figures(size=n, over=(0,) * len(rel_bounds))
     if not n:
         return out
     bracket = _bracket(r) if n >= 4 * _SAMPLE else None
     ranges = _ranges(n)
     firsts = _map(lambda span: _first(d, r, span, small, ulp_type, bracket), ranges)
     if any(f is None for f in firsts):
-        return Figures(size=n, finite=False)
+        return Figures(size=n, over=out.over, finite=False)
     parts = [f for f in firsts if f is not None]
     out.max_abs = max(p.max_abs for p in parts)
     if out.max_abs == 0.0:  # the replay's values exactly: every figure is 0
@@ -79,8 +79,8 @@ def figures(
         for extra in _map(lambda starts: _bracket_blocks(r, starts, bracket), _split(late)):
             parts.append(extra)
     floor = _floor(r, bracket, parts, floor_of)
-    seconds = _map(lambda p: _second(d, r, p.inexact, floor, rel_bound), parts)
-    out.over = sum(s[0] for s in seconds)
+    seconds = _map(lambda p: _second(d, r, p.inexact, floor, rel_bounds), parts)
+    out.over = tuple(sum(s[0][i] for s in seconds) for i in range(len(rel_bounds)))
     out.max_rel = max(s[1] for s in seconds)
     out.sum_rel = sum(s[2] for s in seconds)
     return out
@@ -269,16 +269,18 @@ def _floor(
 
 
 def _second(
-    d: np.ndarray, r: np.ndarray, starts: list[int], floor: float, rel_bound: float
-) -> tuple[int, float, float]:
-    """(elements whose relative error passes ``rel_bound``, the largest, their sum) over the blocks at
+    d: np.ndarray, r: np.ndarray, starts: list[int], floor: float, rel_bounds: tuple[float, ...]
+) -> tuple[list[int], float, float]:
+    """(per bound, the elements whose relative error passes it; the largest; their sum) over the blocks at
     ``starts``, with the floor known."""
-    over, max_rel, sum_rel = 0, 0.0, 0.0
+    over, max_rel, sum_rel = [0] * len(rel_bounds), 0.0, 0.0
     buffers = _buffers()
     for start in starts:
         diff, magnitude = buffers.fill(d, r, start)
         rel = np.divide(diff, np.maximum(magnitude, floor, out=magnitude), out=diff)
-        over += int(np.count_nonzero(np.greater(rel, rel_bound, out=buffers.mask[: rel.size])))
+        mask = buffers.mask[: rel.size]
+        for i, bound in enumerate(rel_bounds):
+            over[i] += int(np.count_nonzero(np.greater(rel, bound, out=mask)))
         max_rel = max(max_rel, float(rel.max()))
         sum_rel += float(rel.sum())
     return over, max_rel, sum_rel

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pytest_msprobe.format.own_errors import OwnError
+from pytest_msprobe.format.own_errors import SHARE_BOUNDS, OwnError
 from pytest_msprobe.replay.figures import figures
 
 # dtype -> (small-value bound, absolute error allowed on small values, relative-error bound and share bound)
@@ -50,15 +50,16 @@ def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
     def floor_of(median: float) -> float:
         return max(small_bound, 0.1 * median)
 
-    judged = figures(d, r, (small_bound, small_abs), rel_bound, floor_of, ulp_type)
+    judged = figures(d, r, (small_bound, small_abs), SHARE_BOUNDS, floor_of, ulp_type)
     mismatch = 0
     if not judged.finite:  # a value that is not finite on a side (or a difference that overflows)
         finite = np.isfinite(d) & np.isfinite(r)
         same_special = (~np.isfinite(d)) & (~np.isfinite(r)) & ((d == r) | (np.isnan(d) & np.isnan(r)))
         mismatch = int(np.count_nonzero(~finite & ~same_special))
-        judged = figures(d[finite], r[finite], (small_bound, small_abs), rel_bound, floor_of, ulp_type)
+        judged = figures(d[finite], r[finite], (small_bound, small_abs), SHARE_BOUNDS, floor_of, ulp_type)
     size = judged.size
-    rel_share = judged.over / size if size else 0.0
+    shares = tuple(over / size if size else 0.0 for over in judged.over)
+    rel_share = shares[SHARE_BOUNDS.index(rel_bound)]
     reasons = []
     if mismatch:
         reasons.append(f"{mismatch} element(s) finite on one side only")
@@ -79,13 +80,15 @@ def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
         nonfinite_mismatch=mismatch,
         out_of_line=bool(reasons),
         reason="; ".join(reasons),
+        shares=(shares[0], shares[1], shares[2]),
     )
 
 
 def shape_error(dtype: str, got: tuple[int, ...], want: tuple[int, ...], elements: int) -> OwnError:
     """The own error of an output whose replay has another shape than its dump: out of line, by structure."""
     reason = f"the replay's shape {list(got)} is not the dumped {list(want)}"
-    return OwnError(dtype, elements, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None, 0, True, reason)
+    # every element counts as off: a re-judging by share bound keeps it out of line
+    return OwnError(dtype, elements, 0.0, 0.0, 0.0, 0.0, 1.0, 0, None, 0, True, reason, (1.0, 1.0, 1.0))
 
 
 def judge_output(node: dict[str, Any], want: Any, got: Any, sum_to_shape: bool = False) -> OwnError | None:

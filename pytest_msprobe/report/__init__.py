@@ -12,16 +12,17 @@ import contextlib
 import os
 from pathlib import Path
 
-from pytest_msprobe.compare.result import CompareResult
+from pytest_msprobe.compare.result import CompareResult, SelfCheckResult
 from pytest_msprobe.errors import ReportError
 from pytest_msprobe.format.files import atomic_path, write_text
 from pytest_msprobe.report.advisor import advisor_text
+from pytest_msprobe.report.own import own_csv, own_rows, own_sheet, self_check_rows
 from pytest_msprobe.report.summary import summary_dict, summary_json
 from pytest_msprobe.report.table import api_sheet, compare_sheet
 from pytest_msprobe.report.text import console_summary
 from pytest_msprobe.report.xlsx import write_xlsx
 
-__all__ = ["ReportError", "console_summary", "summary_dict", "write_reports"]
+__all__ = ["ReportError", "console_summary", "summary_dict", "write_reports", "write_self_check_report"]
 
 
 def write_reports(
@@ -34,7 +35,8 @@ def write_reports(
 
     All or nothing: the three are written to temporary files first and renamed into place only once all
     three are complete, so a failure (disk full, a read-only folder) leaves no partial report behind.
-    Returns ``{"xlsx": path, "advisor": path, "summary": path}``.
+    Returns ``{"xlsx": path, "advisor": path, "summary": path}``, and ``"own_errors": path`` of
+    ``own_errors.csv`` where calls have own errors (also the xlsx's ``own_errors`` sheet).
     """
     out = Path(out_dir)
     paths = {
@@ -42,14 +44,20 @@ def write_reports(
         "advisor": str(out / f"advisor_{result.timestamp}.txt"),
         "summary": str(out / "summary.json"),
     }
+    own = own_rows(result) if result.own else None
+    if own is not None:
+        paths["own_errors"] = str(out / OWN_CSV)
     current = str(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         with contextlib.ExitStack() as pending:  # each temporary file is renamed (or removed) on exit
             current = paths["xlsx"]
-            write_xlsx(
-                pending.enter_context(atomic_path(current)), [compare_sheet(result), api_sheet(result)]
-            )
+            sheets = [
+                compare_sheet(result),
+                api_sheet(result),
+                *([own_sheet(own)] if own is not None else []),
+            ]
+            write_xlsx(pending.enter_context(atomic_path(current)), sheets)
             current = paths["advisor"]
             write_text(
                 pending.enter_context(atomic_path(current)),
@@ -57,6 +65,23 @@ def write_reports(
             )
             current = paths["summary"]
             write_text(pending.enter_context(atomic_path(current)), summary_json(result))
+            if own is not None:
+                current = paths["own_errors"]
+                write_text(pending.enter_context(atomic_path(current)), own_csv(own))
     except OSError as exc:
         raise ReportError(f"{current}: cannot write report ({exc.strerror or exc})") from None
     return paths
+
+
+OWN_CSV = "own_errors.csv"
+
+
+def write_self_check_report(result: SelfCheckResult, out_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Write ``own_errors.csv`` of a self-check without a baseline into ``out_dir``: ``{"own_errors": path}``."""
+    path = Path(out_dir) / OWN_CSV
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, own_csv(self_check_rows(result)))
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot write report ({exc.strerror or exc})") from None
+    return {"own_errors": str(path)}

@@ -10,6 +10,8 @@ import re
 
 from pytest_msprobe.compare.result import (
     ERROR,
+    OUT_OF_LINE,
+    ROUNDING,
     UNMATCHED_CAUSES,
     ApiResult,
     CompareResult,
@@ -18,7 +20,7 @@ from pytest_msprobe.compare.result import (
     shape_differs,
     unmatched_share,
 )
-from pytest_msprobe.report.text import first_unmatched_text
+from pytest_msprobe.report.text import call_site, first_unmatched_text
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
 _NONDETERMINISTIC = re.compile(
@@ -26,15 +28,6 @@ _NONDETERMINISTIC = re.compile(
     r"batch_norm|lstm|gru|rnn|embedding_bag|scatter|index_add|index_put|softmax|attention|cumsum",
     re.IGNORECASE,
 )
-_LIBRARY_FRAME = re.compile(r"site-packages|dist-packages|/torch/|/msprobe/|pytest_msprobe", re.IGNORECASE)
-
-
-def _call_site(frames: tuple[str, ...]) -> str | None:
-    """The first stack frame in the user's code (not torch, msprobe or installed packages)."""
-    for frame in frames:
-        if not _LIBRARY_FRAME.search(frame):
-            return " ".join(frame.split())
-    return None
 
 
 def _model_differs(result: CompareResult, fd: Divergence) -> bool:
@@ -66,6 +59,29 @@ def advice(result: CompareResult, fd: Divergence) -> str:
             )
         else:
             text.append("Dump the target again with statistics on (task statistics or md5).")
+    elif fd.rule == OUT_OF_LINE:
+        what = "its outgoing gradients" if backward else "its output"
+        text.append(
+            f"{api.api} computes {what} less precisely than its own inputs allow: against a float64 replay of "
+            f"the very inputs it received, {result.own[fd.api_index].reason}. That holds whatever flowed into "
+            "it, so this is the call to fix, even where errors already reach every call."
+        )
+        text.append(
+            "Check this API on the target device: the dtype it computes in, a fused, replaced or patched "
+            f"implementation{' of its backward' if backward else ''}. Each call's own error on both sides is "
+            "in the xlsx's own-error columns."
+        )
+    elif fd.rule == ROUNDING:
+        text.append(
+            "No API is out of line: every replayed call computes its output as precisely as a float64 replay "
+            f"of its own inputs says it should. The difference ({row.row}: {row.reason}) builds up from "
+            "rounding over many calls, each within its own precision."
+        )
+        text.append(
+            "If both devices are right, the target device may need a looser tolerance for this dtype (the "
+            "rtol or dtype_rtol setting); if the difference grows from step to step, follow the loss over "
+            "more steps before loosening anything."
+        )
     elif fd.rule == "enters":
         if backward:
             text.append(
@@ -145,7 +161,7 @@ def advice(result: CompareResult, fd: Divergence) -> str:
     ranks = _other_ranks(result, fd)
     if ranks:
         text.append(ranks)
-    site = _call_site(result.stacks.get(api.api, ()))
+    site = call_site(result.stacks.get(api.api, ()))
     if site:
         text.append(f"Called from: {site}.")
     return " ".join(text)
@@ -210,7 +226,8 @@ def advisor_text(result: CompareResult) -> str:
                 f"Line: {line}\nSuspect Nodes: {node}\nExpert Advice: {uncovered}\n\n{_unmatched_calls(result)}"
                 f"Of the rows paired: {note[0].lower()}{note[1:]}\n{_missing_text(result)}"
             )
-        return f"Line: N/A\nSuspect Nodes: N/A\nExpert Advice: {note}\n{_missing_text(result)}"
+        own = "\n".join(_out_of_line_calls(result))
+        return f"Line: N/A\nSuspect Nodes: N/A\nExpert Advice: {note}\n{own + chr(10) if own else ''}{_missing_text(result)}"
     lines = [
         f"Line: {fd.row_index + 2}",
         f"Suspect Nodes: {fd.row}",
@@ -226,9 +243,25 @@ def advisor_text(result: CompareResult) -> str:
     if later:
         lines.append("Other breaching calls (execution order; most follow from the first):")
         lines.extend(f"  {a.api} (step {a.step}, rank {a.rank}): {a.reason}" for a in later)
+    lines.extend(_out_of_line_calls(result))
     if uncovered is not None:
         lines.extend(["", uncovered, _unmatched_calls(result).rstrip("\n")])
     return "\n".join(lines) + "\n" + _missing_text(result)
+
+
+def _out_of_line_calls(result: CompareResult) -> list[str]:
+    """Lines naming the calls whose own error is out of line (execution order, at most 10)."""
+    calls = result.out_of_line
+    if not calls:
+        return []
+    index = {id(a): i for i, a in enumerate(result.apis)}
+    lines = [
+        f"Calls out of line ({len(calls)}; each call's output against the float64 replay of its own inputs):"
+    ]
+    lines.extend(
+        f"  {a.api} (step {a.step}, rank {a.rank}): {result.own[index[id(a)]].reason}" for a in calls[:10]
+    )
+    return lines
 
 
 def _unmatched_calls(result: CompareResult) -> str:

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 from pytest_msprobe.compare.result import ERROR, CompareResult, row_metric
+from pytest_msprobe.report.own import own_html
 
 _FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")  # one per rank, in rank order
@@ -142,6 +143,9 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
             f"(step {fd.step}, rank {fd.rank}), row <code>{html.escape(fd.row)}</code>: {html.escape(fd.reason)}</p>"
         )
     parts.append(f'<pre class="msprobe-advisor" style="white-space: pre-wrap">{html.escape(advisor)}</pre>')
+    own = own_html(result)
+    if own:
+        parts.append(own)
     failing = [r for r in result.worst_rows(max_rows) if r.status == ERROR]
     if failing:
         parts.append(
@@ -163,7 +167,12 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
             f'<img class="msprobe-plot" alt="error per API call" src="data:image/png;base64,{data}"/>'
         )
     if reports:
-        labels = {"xlsx": "compare result (xlsx)", "advisor": "advisor", "summary": "summary.json"}
+        labels = {
+            "xlsx": "compare result (xlsx)",
+            "advisor": "advisor",
+            "summary": "summary.json",
+            "own_errors": "own errors (csv)",
+        }
         links = " | ".join(_link(labels.get(k, k), v) for k, v in reports.items())
         parts.append(f"<p>Reports: {links}</p>")
     parts.append("</div>")

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult
+from pytest_msprobe.report.own import own_summary_dict
 
 
 def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict[str, Any]:
@@ -69,7 +70,9 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
     """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
     [the baseline's steps/ranks the target lacks], "coverage": {passed, max_unmatched, baseline_calls,
     unmatched_calls, baseline_rows, unmatched_rows, share, reason, over, first_unmatched}, "ranks": [per rank:
-    rank, passed, apis, apis_error, first_error], "counts"}``."""
+    rank, passed, apis, apis_error, first_error], "counts", "self_check": null | {gate, calls_checked,
+    calls_not_replayed, out_of_line: [{api, step, rank, reason}]}}``; ``first_divergence`` also has its
+    ``rule``."""
     fd = result.first_divergence
     failures = []
     for api in result.failures:
@@ -79,12 +82,20 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         "passed": result.passed,
         "first_divergence": None
         if fd is None
-        else {"api": fd.api, "row": fd.row, "step": fd.step, "rank": fd.rank, "reason": fd.reason},
+        else {
+            "api": fd.api,
+            "row": fd.row,
+            "step": fd.step,
+            "rank": fd.rank,
+            "reason": fd.reason,
+            "rule": fd.rule,
+        },
         "failures": failures,
         "missing": list(result.missing),
         "coverage": coverage_dict(result),
         "ranks": rank_summaries(result),
         "counts": result.counts(),
+        "self_check": own_summary_dict(result),
     }
 
 

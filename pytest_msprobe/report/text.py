@@ -13,21 +13,34 @@ how to regenerate the baseline
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pytest_msprobe.compare.result import (
     UNMATCHED_CAUSES,
     CompareResult,
     Divergence,
+    SelfCheckResult,
     fmt_number,
     row_metric,
     unmatched_share,
 )
 from pytest_msprobe.options import BY_NAME
+from pytest_msprobe.report.own import own_line
 from pytest_msprobe.report.summary import rank_summaries
 
-
 # ------------------------------------------------------------------------------------------ shared pieces
+_LIBRARY_FRAME = re.compile(r"site-packages|dist-packages|/torch/|/msprobe/|pytest_msprobe", re.IGNORECASE)
+
+
+def call_site(frames: tuple[str, ...]) -> str | None:
+    """The first stack frame in the user's code (not torch, msprobe or installed packages)."""
+    for frame in frames:
+        if not _LIBRARY_FRAME.search(frame):
+            return " ".join(frame.split())
+    return None
+
+
 def _steps_and_ranks(result: CompareResult) -> tuple[list[int], list[int]]:
     """The steps and the ranks of the dump pairs compared."""
     steps = sorted({p.step for p in result.pairs if p.step is not None})
@@ -127,6 +140,9 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
     by_rank = rank_line(result)
     if by_rank:
         lines.append(by_rank)
+    own = own_line(result)
+    if own:
+        lines.append(own)
     # the console ranks only rows with a measured error: its table is of numbers
     measured = [r for r in result.ranked_errors if r.error is not None]
     if measured:
@@ -172,6 +188,9 @@ def failure_message(
     by_rank = rank_line(result)
     if by_rank:
         lines.append(by_rank)
+    own = own_line(result)
+    if own:
+        lines.append(own)
     if result.missing:
         lines.append(f"missing in the target ({len(result.missing)} dump(s) the baseline has):")
         lines.extend(f"  {note}" for note in result.missing[:5])
@@ -189,4 +208,36 @@ def failure_message(
     lines.append(f"baseline: {baseline}")
     lines.extend(_reports_lines(reports))
     lines.append(f"if the new numbers are right, regenerate the baseline: {regen_command}")
+    return "\n".join(lines)
+
+
+def self_check_message(result: SelfCheckResult, reports: dict[str, str] | None = None) -> str:
+    """The failure message of a self-check without a baseline: the headline with counts, the first
+    out-of-line call with where it is called from and why, the others, where the report is."""
+    ool = result.out_of_line
+    lines = [
+        f"msprobe self-check: {len(ool)} of {result.checked} replayed API calls are out of line against "
+        f"the float64 replay of their own inputs ({result.skipped} not replayable)"
+    ]
+    if ool:
+        first = ool[0]
+        lines.append(f"first out of line: {first.name} ({_where(first.step, first.rank) or 'the dump'})")
+        site = call_site(first.stack)
+        if site:
+            lines.append(f"  called from: {site}")
+        lines.append(f"  {first.own.reason}")
+        if first.own.target is not None:
+            t = first.own.target
+            lines.append(
+                f"  own error: max rel {t.max_rel:.3g}, mean rel {t.mean_rel:.3g}, RMSE {t.rmse:.3g}, "
+                f"{t.rel_share:.3%} of {t.elements} elements off"
+            )
+        for other in ool[1:6]:
+            lines.append(
+                f"also out of line: {other.name} ({_where(other.step, other.rank)}): {other.own.reason}"
+            )
+        if len(ool) > 6:
+            lines.append(f"  ... and {len(ool) - 6} more")
+    if reports:
+        lines.append("reports: " + ", ".join(reports.values()))
     return "\n".join(lines)

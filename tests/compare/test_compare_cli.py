@@ -117,7 +117,7 @@ def test_statistics_compare_does_not_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys; from pytest_msprobe.cli import main; "
         f"rc = main(['compare', {str(dump_dir('8.3.3', 'npu', 'tensor_L1', 0))!r}, "
-        f"{str(dump_dir('8.3.3', 'bench', 'tensor_L1', 0))!r}, '-o', {str(tmp_path)!r}, '-q']); "
+        f"{str(dump_dir('8.3.3', 'bench', 'tensor_L1', 0))!r}, '-o', {str(tmp_path)!r}, '-q', '--no-replay']); "
         "assert 'torch' not in sys.modules, 'torch imported'; print(rc)"
     )
     proc = subprocess.run(
@@ -127,7 +127,7 @@ def test_statistics_compare_does_not_import_torch(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": str(REPO)},
         check=False,
     )
-    assert proc.stdout.strip() == "1", proc.stderr  # tensor mode, without torch
+    assert proc.stdout.strip() == "1", proc.stderr  # tensor mode, without torch (no replay asked for)
 
 
 def test_jobs_give_the_same_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -120,9 +120,14 @@ def test_advisor_names_the_first_divergence(reported: tuple[CompareResult, dict[
     lines = text.splitlines()
     assert lines[0] == f"Line: {result.first_divergence.row_index + 2}"  # type: ignore[union-attr]
     assert lines[1] == "Suspect Nodes: Functional.relu.2.forward.output.0"
-    assert lines[2].startswith(
-        "Expert Advice: Functional.relu.2.forward produces a different result from matching inputs"
+    advice = (
+        "computes its output less precisely than its own inputs allow: against a float64 replay"
+        if result.mode == "tensor"  # the tensors replayed: the relu's own error names it
+        else "produces a different result from matching inputs"
     )
+    assert lines[2].startswith(f"Expert Advice: Functional.relu.2.forward {advice}")
+    if result.mode == "tensor":
+        assert "Calls out of line (1;" in text and "  Functional.relu.2.forward (step 0, rank 0): " in text
     assert "make_dumps.py" in lines[2]  # where the call is in the user's code
     sheet = openpyxl.load_workbook(paths["xlsx"])["compare_result"]
     assert sheet.cell(int(lines[0].split()[1]), 1).value == "Functional.relu.2.forward.output.0"
@@ -138,7 +143,12 @@ def test_advisor_when_everything_passes(tmp_path: Path) -> None:
 def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> None:
     result, paths = reported
     doc = json.loads(Path(paths["summary"]).read_text())
-    assert set(doc) == {"passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts"}
+    assert set(doc) == {
+        "passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts", "self_check",
+    }  # fmt: skip
+    # own errors where the tensors could be replayed; a statistics or md5 dump without self_check.json has none
+    assert (doc["self_check"] is not None) == (result.mode == "tensor")
+    assert doc["first_divergence"]["rule"] == ("out of line" if result.mode == "tensor" else "enters")
     assert doc["missing"] == []
     cov = doc["coverage"]
     assert (cov["passed"], cov["max_unmatched"], cov["reason"], cov["over"], cov["first_unmatched"]) == (
@@ -166,6 +176,7 @@ def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> 
         "step": 0,
         "rank": 0,
         "reason": result.first_divergence.reason,  # type: ignore[union-attr]
+        "rule": result.first_divergence.rule,  # type: ignore[union-attr]
     }
     assert doc["failures"] and all(
         set(f) == {"api", "row", "step", "rank", "reason"} for f in doc["failures"]

@@ -158,3 +158,12 @@ def test_a_call_its_inputs_do_not_rebuild_is_listed_with_the_reason(tmp_path: Pa
     outputs, why = replay_call("Torch.no_such_api.0.forward", entry, tmp_path)
     assert outputs == () and why == "Torch.no_such_api is not an API this torch has"
     assert replay_call("Distributed.all_reduce.0.forward", entry, tmp_path)[1].startswith("a collective")
+
+
+def test_aten_names_resolve_to_their_overloads() -> None:
+    from pytest_msprobe.replay.apis import resolve
+
+    assert resolve("Aten.add.Tensor.0.forward").fn is torch.ops.aten.add.Tensor
+    assert resolve("Aten.mul.2.forward").fn is torch.ops.aten.mul
+    assert "random op" in resolve("Aten.native_dropout.default.0.forward").reason
+    assert "not an API this torch has" in resolve("Aten.no_such_op.default.0.forward").reason

@@ -42,6 +42,9 @@ def plain(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> dict[str, objec
         "mean_rel": float(rel.mean()) if rel.size else 0.0,
         "rmse": float(np.sqrt(np.mean(diff**2))) if diff.size else 0.0,
         "rel_share": float(np.count_nonzero(rel > rel_bound)) / rel.size if rel.size else 0.0,
+        "shares": [
+            float(np.count_nonzero(rel > b)) / rel.size if rel.size else 0.0 for b in (1e-2, 1e-3, 1e-4)
+        ],
         "small_breaches": int(np.count_nonzero(diff[np.abs(r) < small_bound] > small_abs)),
         "ulp_mean": ulp,
         "nonfinite_mismatch": mismatch,
@@ -49,6 +52,8 @@ def plain(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> dict[str, objec
 
 
 def _same(got: object, want: object) -> bool:
+    if isinstance(want, list) and isinstance(got, list):
+        return len(want) == len(got) and all(_same(a, b) for a, b in zip(got, want))
     if isinstance(want, float) and isinstance(got, float):
         return (math.isnan(want) and math.isnan(got)) or math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-300)
     return got == want
