@@ -16,7 +16,7 @@ import torch
 
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.replay.apis import Target, resolve
-from pytest_msprobe.replay.standard import OwnError, judge_output
+from pytest_msprobe.replay.standard import OwnError, judge_output, sum_floor
 from pytest_msprobe.replay.values import (
     Unreplayable,
     as_leaf,
@@ -89,6 +89,16 @@ def judge_backward(
     given = list(given) if isinstance(given, tuple) else [given]
     if len(given) != len(dumped):
         return (), f"the replay's node gives {len(given)} gradient(s), the dump {len(dumped)}"
+    # a gradient with fewer elements than flow in is a sum over their positions (a bias, a weight)
+    flowing = sum(g.numel() for g in incoming)
+    scale = float(sum(torch.linalg.vector_norm(g, 1) for g in incoming)) / flowing if flowing else 0.0
     return tuple(
-        judge_output(n, want, got, sum_to_shape=True) for n, want, got in zip(recorded, dumped, given)
+        judge_output(n, want, got, True, _floor(n, want, flowing, scale))
+        for n, want, got in zip(recorded, dumped, given)
     ), ""
+
+
+def _floor(node: Any, want: Any, flowing: int, scale: float) -> float:
+    if not isinstance(want, torch.Tensor) or not want.numel() or not isinstance(node, dict):
+        return 0.0
+    return sum_floor(str(node.get("dtype")).removeprefix("torch."), flowing / want.numel(), scale)

@@ -36,9 +36,9 @@ _NP = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
 _WIDENED = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))  # read as they are
 
 
-def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
+def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str, floor: float = 0.0) -> OwnError:
     """The own error of one output: ``dumped`` as recorded (float32 and float16 are widened as they are read),
-    ``replay`` in float64."""
+    ``replay`` in float64; ``floor``: a least floor of the relative errors' denominator (:func:`sum_floor`)."""
     small_bound, small_abs, rel_bound = _STANDARD.get(dtype, _STANDARD["float32"])
     d = np.asarray(dumped).ravel()
     if d.dtype not in _WIDENED:
@@ -48,7 +48,7 @@ def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
     ulp_type = _NP[dtype] if dtype in ("float32", "float16") else None
 
     def floor_of(median: float) -> float:
-        return max(small_bound, 0.1 * median)
+        return max(small_bound, 0.1 * median, floor)
 
     judged = figures(d, r, (small_bound, small_abs), SHARE_BOUNDS, floor_of, ulp_type)
     mismatch = 0
@@ -91,11 +91,26 @@ def shape_error(dtype: str, got: tuple[int, ...], want: tuple[int, ...], element
     return OwnError(dtype, elements, 0.0, 0.0, 0.0, 0.0, 1.0, 0, None, 0, True, reason, (1.0, 1.0, 1.0))
 
 
-def judge_output(node: dict[str, Any], want: Any, got: Any, sum_to_shape: bool = False) -> OwnError | None:
+def sum_floor(dtype: str, terms: float, scale: float) -> float:
+    """The floor of the relative errors of a value summed from ``terms`` values of magnitude ``scale`` (a
+    gradient reduced over the positions of its incoming one): ten times the rounding such a sum carries when
+    accumulated in float32 (float64 for float64), over the dtype's bound. A sum that cancels to nothing (the
+    bias gradient of a convolution before a batch norm) is rounding alone, and is judged against that."""
+    if terms <= 1 or not scale:
+        return 0.0
+    eps = float(np.finfo(np.float64 if dtype == "float64" else np.float32).eps)
+    rel_bound = _STANDARD.get(dtype, _STANDARD["float32"])[2]
+    return 10 * eps * math.sqrt(terms) * scale / rel_bound
+
+
+def judge_output(
+    node: dict[str, Any], want: Any, got: Any, sum_to_shape: bool = False, floor: float = 0.0
+) -> OwnError | None:
     """The own error of one recorded tensor (``node``, read as ``want``) against the replay's ``got``: out of
     line by structure when their shapes differ; None where nothing is judged (no tensor on a side, not a
     floating dtype). ``sum_to_shape``: a gradient of a
-    broadcast input is summed to the input's shape first, as autograd does before the node's hooks see it."""
+    broadcast input is summed to the input's shape first, as autograd does before the node's hooks see it.
+    ``floor``: as :func:`own_error` takes it."""
     if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
         return None
     dtype = str(node.get("dtype")).removeprefix("torch.")
@@ -108,4 +123,4 @@ def judge_output(node: dict[str, Any], want: Any, got: Any, sum_to_shape: bool =
             return shape_error(dtype, tuple(got.shape), tuple(want.shape), want.numel())
     if not want.is_floating_point():
         return None
-    return own_error(want.numpy(), got.detach().to(torch.float64).numpy(), dtype)
+    return own_error(want.numpy(), got.detach().to(torch.float64).numpy(), dtype, floor)
