@@ -309,7 +309,7 @@ class _Summary:
             return
         tr = terminalreporter
         tr.section("msprobe")
-        checked = [line for line in self.lines if line[1] != "inactive"]  # (the self-check checks some)
+        checked = [line for line in self.lines if line[1] != "inactive"]  # without a baseline: self-checked
         if not self.session.active and not checked:
             tr.write_line(f"no {BASELINE.flag}: msprobe tests ran their training steps without comparing")
             return
