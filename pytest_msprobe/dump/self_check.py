@@ -34,7 +34,7 @@ from pytest_msprobe.dump.values import Values
 from pytest_msprobe.format.names import BACKWARD, FORWARD, MODULE_PREFIX, parse_name
 from pytest_msprobe.format.own_errors import CallOwn
 from pytest_msprobe.replay.apis import Target, resolve
-from pytest_msprobe.replay.backward import judge_backward, run_call
+from pytest_msprobe.replay.backward import judge_gradients, node_gradients, run_call
 from pytest_msprobe.replay.offline import judge_forward
 from pytest_msprobe.replay.values import Unreplayable, as_leaf, flat, is_tensor_node, raised, rebuild_inputs
 
@@ -52,7 +52,8 @@ _TENSOR = "tensor"  # the key of a captured node that holds its tensor
 
 class _Copies:
     """The tensors of a captured call's values, as nodes of the dump's JSON form that hold them: copies of its
-    inputs (float64 on the CPU) or its outputs and gradients as the device gave them (on the CPU)."""
+    inputs (``widen``: float64 on the CPU), or its outputs and gradients as the device gave them (on the CPU;
+    half types other than float16 in float32, which numpy reads)."""
 
     def __init__(self, widen: bool) -> None:
         self.widen = widen
@@ -69,17 +70,16 @@ class _Copies:
             "requires_grad": t.requires_grad,
         }
         t = _detach(t)
-        if self.widen:
-            if t.is_floating_point():
-                t = _to(t, _CPU, _F64, copy=True)
-            elif t.is_complex():
-                t = _to(t, _CPU, _C128, copy=True)
-            else:
-                t = _to(t, _CPU, copy=True)
+        if self.widen and t.is_floating_point():
+            t = _to(t, _CPU, _F64, copy=True)
+        elif self.widen and t.is_complex():
+            t = _to(t, _CPU, _C128, copy=True)
         elif (
             t.is_floating_point()
         ):  # judged right away: no copy on the CPU, numpy reads float32/16 as they are
             t = _to(t, _CPU, t.dtype if t.dtype in _NUMPY_FLOATS else torch.float32)
+        elif self.widen:
+            t = _to(t, _CPU, copy=True)
         node[_TENSOR] = t
         return node
 
@@ -102,10 +102,16 @@ def _leaf(node: dict[str, Any]) -> torch.Tensor:
 
 
 class SelfCheck:
-    """The self-check of one step's API calls: every call's own error, by record name (:attr:`calls`)."""
+    """The self-check of one step's API calls: every call's own error, by record name (:meth:`own_errors`).
+
+    Everything runs on the thread of the call (or of the backward pass), as it returns: a judging thread beside
+    the training was measured slower than none (the two fight over the GIL, numpy's judging giving it up and
+    taking it back for every block); a large output's blocks are judged by worker threads meanwhile
+    (:mod:`pytest_msprobe.replay.figures`).
+    """
 
     def __init__(self, config: DumpConfig) -> None:
-        self.calls: dict[str, CallOwn] = {}
+        self._calls: dict[str, CallOwn] = {}
         # backward record name -> its call's replay (float64, with its graph), or why there is none
         self._kept: dict[str, Any] = {}
         self._targets: dict[str, Target] = {}
@@ -130,20 +136,19 @@ class SelfCheck:
             replay: Any = self._replay(api, bwd is not None, inputs)
             if fwd is not None:
                 if isinstance(replay, _Skip):
-                    self.calls[fwd] = CallOwn(skipped=replay.reason)
+                    self._calls[fwd] = CallOwn(skipped=replay.reason)
                 else:
                     recorded = flat(self._outputs.analyze_output("", out, False))
                     expected = [_held(n) if is_tensor_node(n) else None for n in recorded]
-                    outputs, why = judge_forward(replay, recorded, expected)
-                    self.calls[fwd] = CallOwn(outputs, why)
+                    self._calls[fwd] = CallOwn(*judge_forward(replay, recorded, expected))
         except Unreplayable as exc:
             replay = _Skip(str(exc))
             if fwd is not None:
-                self.calls[fwd] = CallOwn(skipped=replay.reason)
+                self._calls[fwd] = CallOwn(skipped=replay.reason)
         except Exception as exc:
             replay = _Skip(raised("the self-check", exc))
             if fwd is not None:
-                self.calls[fwd] = CallOwn(skipped=replay.reason)
+                self._calls[fwd] = CallOwn(skipped=replay.reason)
         if bwd is not None:
             self._kept[bwd] = replay
 
@@ -156,9 +161,8 @@ class SelfCheck:
             target = self._targets[api] = resolve(f"{api}.0.{FORWARD}")
         if target.fn is None:
             return _Skip(target.reason)
-        args, kwargs = rebuild_inputs(
-            {"input_args": inputs[0], "input_kwargs": inputs[1]}, _leaf if grad else _held
-        )
+        copied = {"input_args": inputs[0], "input_kwargs": inputs[1]}
+        args, kwargs = rebuild_inputs(copied, _leaf if grad else _held)
         state = _get_rng_state()
         try:
             replay, why = run_call(target, args, kwargs, grad)
@@ -172,20 +176,22 @@ class SelfCheck:
         if replay is None:
             return
         if isinstance(replay, _Skip):
-            self.calls[bwd] = CallOwn(skipped=replay.reason)
+            self._calls[bwd] = CallOwn(skipped=replay.reason)
             return
         try:
-            incoming = [
-                _held(n) if is_tensor_node(n) else None for n in self._inputs.analyze(grads_in, None, False)
-            ]
+            nodes = self._inputs.analyze(grads_in, None, False)
+            incoming = [_held(n) if is_tensor_node(n) else None for n in nodes]
             recorded = [self._outputs.analyze(g, None, True) for g in grads_out]
             dumped = [_held(n) if is_tensor_node(n) else None for n in recorded]
-            outputs, why = judge_backward(replay, incoming, recorded, dumped)
-            self.calls[bwd] = CallOwn(outputs, why)
+            given, why = node_gradients(replay, incoming, len(dumped))
+            if why:
+                self._calls[bwd] = CallOwn(skipped=why)
+            else:
+                self._calls[bwd] = CallOwn(judge_gradients(incoming, recorded, dumped, given))
         except Unreplayable as exc:
-            self.calls[bwd] = CallOwn(skipped=str(exc))
+            self._calls[bwd] = CallOwn(skipped=str(exc))
         except Exception as exc:
-            self.calls[bwd] = CallOwn(skipped=raised("the self-check", exc))
+            self._calls[bwd] = CallOwn(skipped=raised("the self-check", exc))
 
     def finish(self) -> None:
         """The step's end: the replays kept for backward records that never came are let go."""
@@ -198,7 +204,7 @@ class SelfCheck:
         for name in data:
             if name.startswith(MODULE_PREFIX + ".") or parse_name(name).direction not in (FORWARD, BACKWARD):
                 continue
-            call = self.calls.get(name)
+            call = self._calls.get(name)
             out[name] = call if call is not None else CallOwn(skipped=resolve(name).reason or "not replayed")
         return out
 

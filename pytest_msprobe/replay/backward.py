@@ -75,27 +75,43 @@ def judge_backward(
     """The own errors of a call's outgoing gradients: the node of its replayed ``out`` (run with gradients on)
     given the ``incoming`` gradients (float64), against the ``dumped`` outgoing ones (``recorded``: their
     nodes, for the dtypes); ``((), reason)`` when they cannot be judged."""
+    given, why = node_gradients(out, incoming, len(dumped))
+    if why:
+        return (), why
+    return judge_gradients(incoming, recorded, dumped, given), ""
+
+
+def node_gradients(out: Any, incoming: list[Any], expected: int) -> tuple[list[Any], str]:
+    """The gradients the node of the replayed ``out`` gives back for the ``incoming`` ones (``expected`` of
+    them, as the dump has), or ``([], reason)``."""
     outputs = [t for t in flat(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     nodes = {id(t.grad_fn): t.grad_fn for t in outputs}
     if len(nodes) != 1:
-        return (), "its outputs have no autograd node of their own" if not nodes else "several output nodes"
+        return [], "its outputs have no autograd node of their own" if not nodes else "several output nodes"
     node: Any = next(iter(nodes.values()))  # a torch.autograd.graph.Node: calling it runs its backward
     if len(incoming) != len(outputs) or any(g is None for g in incoming):
-        return (), f"{len(incoming)} incoming gradient(s) recorded for {len(outputs)} output(s)"
+        return [], f"{len(incoming)} incoming gradient(s) recorded for {len(outputs)} output(s)"
     try:
         given = node(*incoming)
     except Exception as exc:
-        return (), raised("the replay's backward", exc)
+        return [], raised("the replay's backward", exc)
     given = list(given) if isinstance(given, tuple) else [given]
-    if len(given) != len(dumped):
-        return (), f"the replay's node gives {len(given)} gradient(s), the dump {len(dumped)}"
+    if len(given) != expected:
+        return [], f"the replay's node gives {len(given)} gradient(s), the dump {expected}"
+    return given, ""
+
+
+def judge_gradients(
+    incoming: list[Any], recorded: list[Any], dumped: list[Any], given: list[Any]
+) -> OwnErrors:
+    """The own errors of the ``dumped`` outgoing gradients against those the replay's node ``given``."""
     # a gradient with fewer elements than flow in is a sum over their positions (a bias, a weight)
     flowing = sum(g.numel() for g in incoming)
     scale = float(sum(torch.linalg.vector_norm(g, 1) for g in incoming)) / flowing if flowing else 0.0
     return tuple(
         judge_output(n, want, got, True, _floor(n, want, flowing, scale))
         for n, want, got in zip(recorded, dumped, given)
-    ), ""
+    )
 
 
 def _floor(node: Any, want: Any, flowing: int, scale: float) -> float:
