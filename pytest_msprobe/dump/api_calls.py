@@ -9,6 +9,10 @@ and its ``grad_inputs`` the record's ``backward.output`` (``null`` where undefin
 An output whose node is one an input already had before the call (``x.float()`` on a float tensor,
 ``contiguous()`` returning ``self``) gets no backward record: that node belongs to an earlier call.
 
+**Self-check** (``config.self_check``): the call's inputs are copied before it runs and the call is handed to
+:class:`~pytest_msprobe.dump.self_check.SelfCheck` after, which replays and judges it; its backward record hands
+the gradients in and out to it when written. Without it, the check costs one attribute read per call.
+
 ``api_call`` runs for every captured call, so it is written for speed: it makes no Python call beyond those its
 record needs.
 """
