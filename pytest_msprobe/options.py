@@ -157,6 +157,13 @@ KEEP_DUMPS = Option(
     "fail or error stay in --msprobe-output (ini: {ini})",
     ini_help="true: keep the dumps of passing tests and regenerated baselines ({flag})",
 )
+SELF_CHECK = Option(
+    "self_check", flag="--msprobe-self-check", ini="msprobe_self_check", marker="self_check",
+    default=False, action="store_true", check=settings.check_flag,
+    help="replay each API call on the CPU in float64 as the steps run and fail on a call whose own error is "
+    "out of line; without a baseline the steps are dumped for it (ini: {ini}; marker: {marker}=)",
+    ini_help="true: replay each API call in float64 and fail on its own error ({flag})",
+)
 WORLD_SIZE = Option(
     "world_size", marker="world_size", default=1, check=settings.check_world_size, check_names_it=True,
 )
@@ -237,8 +244,8 @@ THRESHOLD_OPTIONS = (
     ),
 )
 OPTIONS: tuple[Option, ...] = (
-    BASELINE, REGEN, OUTPUT, DEVICE, TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, KEEP_DUMPS, WORLD_SIZE, BACKEND,
-    RANK_TIMEOUT, RANK_SPEC, *THRESHOLD_OPTIONS,
+    BASELINE, REGEN, OUTPUT, DEVICE, TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, KEEP_DUMPS, SELF_CHECK,
+    WORLD_SIZE, BACKEND, RANK_TIMEOUT, RANK_SPEC, *THRESHOLD_OPTIONS,
 )
 # fmt: on
 BY_NAME = {opt.name: opt for opt in OPTIONS}
@@ -450,7 +457,7 @@ def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> 
 
     ``cli`` gives command-line values by destination and ``ini`` ini values by key (see :func:`getter`).
     """
-    session = (BASELINE, REGEN, OUTPUT, DEVICE, MAX_DUMP_SIZE, KEEP_DUMPS, RANK_TIMEOUT)
+    session = (BASELINE, REGEN, OUTPUT, DEVICE, MAX_DUMP_SIZE, KEEP_DUMPS, RANK_TIMEOUT, SELF_CHECK)
     get = getter(cli)
     layers = _layers(session, lambda opt: get(opt.dest), {}, getter(ini))
 
@@ -474,7 +481,7 @@ def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> 
         check_apart(output, baseline, output_from)
     keep_dumps = bool(_top(KEEP_DUMPS, layers, ini_dir))
     # resolved per test (a marker sits between them), checked here so that a bad value stops the run at once
-    for opt in (MAX_DUMP_SIZE, RANK_TIMEOUT):
+    for opt in (MAX_DUMP_SIZE, RANK_TIMEOUT, SELF_CHECK):
         for layer in (CLI, INI):
             if opt.name in layers[layer]:
                 _read(opt, layer, layers, ini_dir)
@@ -493,20 +500,8 @@ def resolve_test(
             f"@pytest.mark.msprobe on {test}: unknown keyword(s) {', '.join(sorted(unknown))} "
             f"(known: {', '.join(sorted(MARKER_KEYS))})"
         )
-    per_test = (TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, WORLD_SIZE, BACKEND, RANK_TIMEOUT)
+    per_test = (TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, WORLD_SIZE, BACKEND, RANK_TIMEOUT, SELF_CHECK)
     get = getter(cli)
     layers = _layers((*per_test, *THRESHOLD_OPTIONS), lambda opt: get(opt.dest), marker, getter(ini), test)
-    task, level, steps, seed, max_dump_size, world_size, backend, rank_timeout = (
-        _top(opt, layers, ini_dir) for opt in per_test
-    )
-    return TestSettings(
-        task,
-        level,
-        steps,
-        seed,
-        _thresholds(layers, ini_dir),
-        max_dump_size,
-        world_size=world_size,
-        backend=backend,
-        rank_timeout=rank_timeout,
-    )
+    values = {opt.name: _top(opt, layers, ini_dir) for opt in per_test}  # (each named as its setting)
+    return TestSettings(thresholds=_thresholds(layers, ini_dir), **values)

@@ -11,7 +11,9 @@
   backward records filled by hooks on autograd nodes, and what is read from the graph;
 - :mod:`.values`: arguments and outputs as msprobe writes them; :mod:`.stats` and :mod:`.reductions`: tensor
   statistics on the device, batched into one transfer per step; :mod:`.ops`: the torch functions they call;
-- :mod:`.stack`, :mod:`.writer`, :mod:`.signals`: call stacks, the files, sections a signal must not cut.
+- :mod:`.stack`, :mod:`.writer`, :mod:`.signals`: call stacks, the files, sections a signal must not cut;
+- :mod:`.self_check`: each API call replayed in float64 as it returns, its own error in ``self_check.json``
+  (through :mod:`pytest_msprobe.replay`).
 
 Names and file layout are msprobe's, from :mod:`pytest_msprobe.format`. This package imports torch;
 ``import pytest_msprobe`` does not (its names load on first use).

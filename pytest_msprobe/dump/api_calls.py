@@ -9,6 +9,10 @@ and its ``grad_inputs`` the record's ``backward.output`` (``null`` where undefin
 An output whose node is one an input already had before the call (``x.float()`` on a float tensor,
 ``contiguous()`` returning ``self``) gets no backward record: that node belongs to an earlier call.
 
+**Self-check** (``config.self_check``): the call's inputs are copied before it runs and the call is handed to
+:class:`~pytest_msprobe.dump.self_check.SelfCheck` after, which replays and judges it; its backward record hands
+the gradients in and out to it when written. Without it, the check costs one attribute read per call.
+
 ``api_call`` runs for every captured call, so it is written for speed: it makes no Python call beyond those its
 record needs.
 """
@@ -23,6 +27,7 @@ import torch
 from pytest_msprobe.dump.autograd import BackwardRecord, input_nodes
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.records import StepRecords, backward_parent
+from pytest_msprobe.dump.self_check import SelfCheck
 from pytest_msprobe.dump.stack import capture_stack
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.threads import slot
@@ -55,6 +60,8 @@ class _ApiBackward(BackwardRecord):
             # let the gradients go: kept alive, they would stop the engine from reusing their memory
             self.parts = [None] * len(self.parts)
             recorder._write_backward(self.name, self.parent, grads_in, grads_out)
+            if recorder.self_check is not None:
+                recorder.self_check.backward(self.name, grads_in, grads_out)
         finally:
             tls.active = prev
 
@@ -66,6 +73,8 @@ class ApiCalls(StepRecords):
         super().__init__(config, engine)
         # backward records of calls with several output nodes: written at finish() if some never fired
         self._api_pending: list[_ApiBackward] = []
+        if config.self_check:
+            self.self_check = SelfCheck(config)
 
     def api_call(
         self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -102,6 +111,10 @@ class ApiCalls(StepRecords):
                     entry["input_args"], entry["input_kwargs"] = self.analyze_inputs(fwd, args, kwargs, grad)
                 stack = capture_stack(2)
             before = input_nodes(args, kwargs) if want_bwd and grad else None
+            check = self.self_check
+            copied = None  # the inputs, copied before the call (in-place calls change them)
+            if check is not None and (want_fwd or before is not None):
+                copied = check.inputs(args, kwargs)
             out = orig(*args, **kwargs)
             if entry is not None:
                 if select.fwd_out:
@@ -110,8 +123,11 @@ class ApiCalls(StepRecords):
                 self.stacks.add(fwd, stack)
                 if self.with_api_parents:
                     self.construct[fwd] = parent
+            bwd = None
             if before is not None:
-                self._hook_api_backward(f"{api}.{index}.{BACKWARD}", parent, out, before)
+                bwd = self._hook_api_backward(f"{api}.{index}.{BACKWARD}", parent, out, before)
+            if check is not None and copied is not None:
+                check.forward(api, fwd if want_fwd else None, bwd, copied, out)
             if self.filtered:
                 select.leave(fwd)
             return out
@@ -122,14 +138,15 @@ class ApiCalls(StepRecords):
         finally:
             tls.active = prev
 
-    def _hook_api_backward(self, bwd: str, parent: str | None, out: Any, before: list[Any]) -> None:
+    def _hook_api_backward(self, bwd: str, parent: str | None, out: Any, before: list[Any]) -> str | None:
+        """Hook the nodes of a call's outputs for its backward record ``bwd``; ``bwd`` when one will follow."""
         if isinstance(out, _Tensor):  # the common case: one output tensor
             node = out.grad_fn
             if node is None:
-                return
+                return None
             for prior in before:
                 if node is prior:
-                    return
+                    return None
             nodes = [node]
         else:
             nodes = []
@@ -141,12 +158,13 @@ class ApiCalls(StepRecords):
                     continue
                 nodes.append(node)
             if not nodes:
-                return
+                return None
         record = _ApiBackward(self, bwd, None if parent is None else backward_parent(parent), len(nodes))
         for i, node in enumerate(nodes):
             self._handles.append(node.register_hook(record.hook(i)))
         if len(nodes) > 1:
             self._api_pending.append(record)
+        return bwd
 
     def _finish_api_backward(self) -> None:
         """Write the backward records some of whose nodes fired (the others never will in this step)."""

@@ -62,6 +62,7 @@ _KNOWN_TOP_KEYS = frozenset(
         "risk_level",
         "custom_op_namespaces",
         "load",
+        "self_check",  # ours: replay each API call in float64 and record its own error (self_check.json)
     }
 )
 # the keys msprobe's task sections take (8.x and 26.x, PyTorch): those every section reads, then each one's own
@@ -149,6 +150,7 @@ class DumpConfig:
     api_list: tuple[str, ...] = ()
     data_mode: frozenset[str] = frozenset({"forward", "backward", "input", "output"})
     max_dump_size: int | None = None  # bytes of tensor files the dump may take (None: no limit)
+    self_check: bool = False  # replay each API call in float64 and record its own error (self_check.json)
 
     @property
     def md5(self) -> bool:
@@ -336,6 +338,7 @@ def build_config(
     data_mode: list[str] | None = None,
     summary_mode: str | None = None,
     max_dump_size: int | str | None = None,
+    self_check: bool | None = None,
 ) -> DumpConfig:
     """Merge a config file (optional) with explicit arguments (which win) into a validated DumpConfig."""
     source = os.fspath(config_path) if config_path is not None else None
@@ -403,6 +406,14 @@ def build_config(
         if task_value == "tensor" and summary_value == "md5":
             raise ConfigError(f"summary_mode='md5'{_where(summary_src)}: only valid with task 'statistics'")
 
+    check_value, check_src = pick("self_check", self_check, False)
+    if not isinstance(check_value, bool):
+        raise ConfigError(f"self_check={check_value!r}{_where(check_src)}: expected true or false")
+    if check_value and level_value == "L0":
+        raise ConfigError(
+            f"self_check{_where(check_src)} replays API calls: it needs level L1 or mix, not L0 (modules only)"
+        )
+
     return DumpConfig(
         dump_path=Path(os.path.abspath(os.fspath(path_value))),
         task=task_value,
@@ -414,4 +425,5 @@ def build_config(
         api_list=list_tuple,
         data_mode=modes,
         max_dump_size=None if max_dump_size is None else parse_size(max_dump_size, "max_dump_size"),
+        self_check=check_value,
     )

@@ -91,6 +91,7 @@ class PrecisionDebugger:
         data_mode: list[str] | None = None,
         summary_mode: str | None = None,
         max_dump_size: int | str | None = None,
+        self_check: bool | None = None,
     ) -> None:
         self.config: DumpConfig = build_config(
             config_path,
@@ -104,6 +105,7 @@ class PrecisionDebugger:
             data_mode=data_mode,
             summary_mode=summary_mode,
             max_dump_size=max_dump_size,
+            self_check=self_check,
         )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model={type(model).__name__}: expected a torch.nn.Module")
@@ -350,7 +352,9 @@ class PrecisionDebugger:
             if writer is not None:
                 writer.publish()  # the tensor folder appears before the dump.json that names its files
             construct = recorder.construct if config.modules else {}
-            write_step_files(folder, header, recorder.data, recorder.stacks.render(), construct)
+            check = recorder.self_check
+            own = (check.own_errors(recorder.data), check.device) if check is not None else None
+            write_step_files(folder, header, recorder.data, recorder.stacks.render(), construct, own)
 
         self._files.wait()  # one step at a time; an earlier step's failure is reported before this one goes
         with deferred_signals():

@@ -36,6 +36,7 @@ from pytest_msprobe.dump import api_lists
 from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.dump.threads import slot
 from pytest_msprobe.format.names import PREFIXES
+from pytest_msprobe.replay.pristine import ORIGINAL
 
 
 def _dressed_as(
@@ -43,11 +44,13 @@ def _dressed_as(
     orig: Callable[..., Any],
     attrs: tuple[str, ...] = ("__name__", "__qualname__", "__doc__", "__module__"),
 ) -> Callable[..., Any]:
-    """``wrapper`` with the name and docs of ``orig`` (where they can be set), and ``orig`` as its ``__wrapped__``."""
+    """``wrapper`` with the name and docs of ``orig`` (where they can be set), and ``orig`` as its ``__wrapped__``
+    and its :data:`~pytest_msprobe.replay.pristine.ORIGINAL` (what a replay takes in its place)."""
     for attr in attrs:
         with contextlib.suppress(AttributeError, TypeError):
             setattr(wrapper, attr, getattr(orig, attr))
     wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+    setattr(wrapper, ORIGINAL, orig)
     return wrapper
 
 

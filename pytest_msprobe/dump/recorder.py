@@ -60,6 +60,8 @@ class Recorder(ApiCalls, ModuleHooks, Collectives, OptimizerHooks):
         self._record_grads()  # a backward pass that did not reach its end (it raised) still accumulated them
         self.dist_pending.clear()  # never waited for: those records keep their inputs only
         self._finish_api_backward()
+        if self.self_check is not None:
+            self.self_check.finish()
         self._finish_modules()
         self.module_stack.clear()
         self.in_optimizer = False

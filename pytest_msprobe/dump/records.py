@@ -10,7 +10,7 @@ dropped, see :mod:`.recorder`).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.selection import Selector
@@ -19,6 +19,9 @@ from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.threads import is_foreign_thread, owns_backward
 from pytest_msprobe.dump.values import Values
 from pytest_msprobe.format.names import OPTIMIZER_NODE, CallCounter, backward_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pytest_msprobe.dump.self_check import SelfCheck
 
 _get_ident = threading.get_ident
 
@@ -62,6 +65,7 @@ class StepRecords(Values):
         self.broken = False
         self.owner = _get_ident()  # the thread whose step this is (set again by the debugger's start)
         self._handles: list[Any] = []  # of every hook registered, removed by detach()
+        self.self_check: SelfCheck | None = None  # replays the API calls (config.self_check)
 
     def interrupted(self, exc: BaseException) -> None:
         """An exception passed through the recorder's code: if it was an interruption, the records are not whole."""

@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from pytest_msprobe.format.layout import (
     rank_folder,
     step_folder,
 )
+from pytest_msprobe.format.own_errors import CallOwn, own_errors_path, write_own_errors
 
 
 def rank_dir_name() -> str:
@@ -95,12 +96,22 @@ def write_step_files(
     data: dict[str, Any],
     stack: dict[str, Any],
     construct: dict[str, Any],
+    own_errors: tuple[Mapping[str, CallOwn], str] | None = None,
 ) -> None:
-    """Write dump.json, stack.json and construct.json of one step into ``folder`` (created if needed)."""
+    """Write dump.json, stack.json and construct.json of one step into ``folder`` (created if needed), and the
+    self-check's sidecar before them when ``own_errors`` (every call's own error, the device) is given: a
+    dump.json of a self-checked step is never without its sidecar."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DumpError(f"{folder}: cannot create the dump folder ({exc.strerror or exc})") from exc
+    if own_errors is not None:
+        try:
+            write_own_errors(folder / DUMP_JSON, own_errors[0], device=own_errors[1])
+        except OSError as exc:
+            raise DumpError(
+                f"{own_errors_path(folder / DUMP_JSON)}: cannot write ({exc.strerror or exc})"
+            ) from exc
     atomic_write_text(folder / DUMP_JSON, render_mapping(header, "data", data))
     atomic_write_text(folder / STACK_JSON, render_mapping({}, None, stack))
     atomic_write_text(folder / CONSTRUCT_JSON, render_mapping({}, None, construct))

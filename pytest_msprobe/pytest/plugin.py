@@ -2,8 +2,10 @@
 
 Thin by design: options are declared and resolved by :mod:`pytest_msprobe.options`, a test's run lives in
 :mod:`pytest_msprobe.run.runner`, reports are written by :mod:`pytest_msprobe.report`. Without
-``--msprobe-baseline`` (or ini ``msprobe_baseline``) the plugin stays out of the way: msprobe tests run their
-training steps without dumping or comparing.
+``--msprobe-baseline`` (or ini ``msprobe_baseline``) and without ``--msprobe-self-check`` the plugin stays out
+of the way: msprobe tests run their training steps without dumping or comparing. Importing it has torch's own
+functions captured as soon as torch is imported (before any conftest or test replaces one), for the
+self-check's replays (:mod:`pytest_msprobe.replay.pristine`).
 
 Outcomes: a precision breach, a missing baseline or a dump problem of the test itself (nothing dumped, the size
 limit) is a FAILED test from the call phase. A baseline that cannot be used or written leaves the test without a
@@ -35,7 +37,10 @@ from pytest_msprobe.options import (
     resolve_session,
     resolve_test,
 )
+from pytest_msprobe.replay.pristine import capture_when_torch_loads
 from pytest_msprobe.run.settings import SessionSettings
+
+capture_when_torch_loads()  # the plugin loads before conftest and test modules, which may patch torch
 
 SESSION_KEY = pytest.StashKey[SessionSettings]()
 RANK_KEY = pytest.StashKey[Any]()  # in a rank process: its rank_worker.RankProcess
@@ -45,6 +50,7 @@ VERDICT = "msprobe_verdict"  # user property: passed, failed, missing, regenerat
 # junitxml property: the baseline a test used (a property name that is the ini key's word, not the ini key)
 BASELINE_PROPERTY = "msprobe_baseline"
 REASON = "msprobe_reason"  # user property: one line, why a test that compared nothing failed or errored
+FIRST_OUT_OF_LINE = "msprobe_first_out_of_line"  # user property: the self-check's first out-of-line call
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -216,6 +222,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     fd = outcome.result.first_divergence if outcome.result is not None else None
     item.user_properties.append((VERDICT, outcome.kind))
     item.user_properties.append(("msprobe_first_divergence", fd.api if fd is not None else ""))
+    if outcome.self_check is not None and outcome.self_check.out_of_line:  # the self-check without a baseline
+        item.user_properties.append((FIRST_OUT_OF_LINE, outcome.self_check.out_of_line[0].name))
     if fd is not None and fd.rank is not None:  # a multi-rank dump: the rank the error entered on
         item.user_properties.append(("msprobe_first_divergence_rank", fd.rank))
     if outcome.baseline is not None:
@@ -290,6 +298,8 @@ class _Summary:
                 detail = f"first divergence {first}"
                 if "msprobe_first_divergence_rank" in props:
                     detail += f" on rank {props['msprobe_first_divergence_rank']}"
+            elif props.get(FIRST_OUT_OF_LINE):
+                detail = f"first out of line {props[FIRST_OUT_OF_LINE]}"
             else:  # a test that compared nothing says why; a pass or a regeneration where its baseline is
                 detail = str(props.get(REASON) or props.get(BASELINE_PROPERTY, ""))
             self.lines.append((report.nodeid, str(props[VERDICT]), str(detail)))
@@ -299,10 +309,11 @@ class _Summary:
             return
         tr = terminalreporter
         tr.section("msprobe")
-        if not self.session.active:
+        checked = [line for line in self.lines if line[1] != "inactive"]  # without a baseline: self-checked
+        if not self.session.active and not checked:
             tr.write_line(f"no {BASELINE.flag}: msprobe tests ran their training steps without comparing")
             return
-        for nodeid, verdict, detail in self.lines:
+        for nodeid, verdict, detail in checked:
             tr.write_line(f"{verdict.upper():<12} {nodeid}" + (f"  ({detail})" if detail else ""))
         if self.session.regen:
             written = sum(1 for _, verdict, _ in self.lines if verdict == "regenerated")

@@ -2,9 +2,13 @@
 
 ``Functional.conv2d.0.forward`` is ``torch.nn.functional.conv2d``, ``Torch.matmul...`` ``torch.matmul``,
 ``Tensor.add_...`` the method ``torch.Tensor.add_`` (called with the tensor first), ``VF.lstm...``
-``torch._VF.lstm``, ``Aten.add.Tensor...`` ``torch.ops.aten.add.Tensor``. A call that cannot be replayed faithfully gets a reason instead: random ops (their output is
-a draw, not a function of the inputs), collectives (they need the other ranks), NPU custom ops (they need
-torch_npu) and names torch does not have.
+``torch._VF.lstm``, ``Aten.add.Tensor...`` ``torch.ops.aten.add.Tensor``. A call that cannot be replayed
+faithfully gets a reason instead: random ops (their output is a draw, not a function of the inputs),
+collectives (they need the other ranks), NPU custom ops (they need torch_npu) and names torch does not have.
+
+The callables of the four namespaces are torch's own, as :mod:`.pristine` captured them, whatever stands in
+torch's namespaces now (a faulty function a test put there, the dump's wrappers); an ``Aten`` overload is
+looked up in ``torch.ops.aten``, which nothing replaces.
 """
 
 from __future__ import annotations
@@ -12,9 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import torch
-
 from pytest_msprobe.format.names import parse_name
+from pytest_msprobe.replay import pristine
 
 # outputs that are draws: replaying them gives another draw, not the same value
 RANDOM = frozenset(
@@ -26,17 +29,13 @@ RANDOM = frozenset(
         "native_dropout", "fused_dropout",
     }
 )  # fmt: skip
-_NAMESPACES: dict[str, Callable[[str], Any]] = {
-    "Functional": lambda op: getattr(torch.nn.functional, op, None),
-    "Torch": lambda op: getattr(torch, op, None),
-    "Tensor": lambda op: getattr(torch.Tensor, op, None),
-    "VF": lambda op: getattr(torch._VF, op, None),
-    "Aten": lambda op: _aten(op),
-}
+_NAMESPACES = frozenset({"Functional", "Torch", "Tensor", "VF"})  # captured by .pristine
 
 
 def _aten(op: str) -> Any:
     """``add.Tensor`` -> ``torch.ops.aten.add.Tensor``; ``add`` -> its overload packet."""
+    import torch
+
     name, _, overload = op.partition(".")
     packet = getattr(torch.ops.aten, name, None)
     return getattr(packet, overload, None) if packet is not None and overload else packet
@@ -65,8 +64,10 @@ def resolve(name: str) -> Target:
         return Target(api, None, "an NPU custom op: it needs torch_npu")
     if op.partition(".")[0] in RANDOM:  # (an Aten name carries its overload: native_dropout.default)
         return Target(api, None, "a random op: its output is a draw, not a function of its inputs")
-    lookup = _NAMESPACES.get(prefix)
-    fn = lookup(op) if lookup is not None and op else None
+    if prefix == "Aten":
+        fn = _aten(op) if op else None
+    else:
+        fn = pristine.lookup(prefix, op) if prefix in _NAMESPACES and op else None
     if fn is None or not callable(fn):
         return Target(api, None, f"{api} is not an API this torch has")
     return Target(api, fn, "")

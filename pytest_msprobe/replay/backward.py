@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.replay.apis import resolve
-from pytest_msprobe.replay.standard import OwnError, judge_output
+from pytest_msprobe.replay.apis import Target, resolve
+from pytest_msprobe.replay.standard import OwnError, judge_output, sum_floor
 from pytest_msprobe.replay.values import (
     Unreplayable,
+    as_leaf,
     flat,
     is_tensor_node,
     load_tensor,
@@ -37,17 +38,8 @@ def replay_backward(
     if target.fn is None:
         return (), target.reason
 
-    def leaf(node: dict[str, Any]) -> torch.Tensor:
-        tensor = load_tensor(node, tensor_dir)
-        # as recorded: batch_norm's running statistics take no gradient, and may not be asked for one
-        if (tensor.is_floating_point() or tensor.is_complex()) and node.get(
-            "requires_grad", True
-        ) is not False:
-            tensor.requires_grad_(True)
-        return tensor
-
     try:
-        args, kwargs = rebuild_inputs(forward, leaf)
+        args, kwargs = rebuild_inputs(forward, lambda node: as_leaf(node, load_tensor(node, tensor_dir)))
         incoming = [
             load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in flat(backward.get("input"))
         ]
@@ -55,27 +47,74 @@ def replay_backward(
         dumped = [load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in recorded]
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc)
-    if target.inplace and args and isinstance(args[0], torch.Tensor):
-        args[0] = args[0].clone()  # a leaf that needs a gradient cannot be changed in place
+    out, why = run_call(target, args, kwargs, grad=True)
+    if why:
+        return (), why
+    return judge_backward(out, incoming, recorded, dumped)
+
+
+def run_call(target: Target, args: list[Any], kwargs: dict[str, Any], grad: bool) -> tuple[Any, str]:
+    """Replay a call from its rebuilt arguments: ``(outputs, "")``, or ``(None, reason)`` when it raised.
+
+    ``grad``: with gradients on, so that the backward replay can call the node of its output (an in-place
+    call then changes a copy of its tensor: a leaf that needs a gradient cannot be changed in place).
+    """
+    assert target.fn is not None
+    if grad and target.inplace and args and isinstance(args[0], torch.Tensor):
+        args[0] = args[0].clone()
     try:
-        with torch.enable_grad():
-            out = target.fn(*args, **kwargs)
-    except Exception as exc:
-        return (), raised("the replay", exc)
+        with torch.enable_grad() if grad else torch.no_grad():
+            return target.fn(*args, **kwargs), ""
+    except Exception as exc:  # a call its own recorded inputs do not rebuild: say so, do not guess
+        return None, raised("the replay", exc)
+
+
+def judge_backward(
+    out: Any, incoming: list[Any], recorded: list[Any], dumped: list[Any]
+) -> tuple[OwnErrors, str]:
+    """The own errors of a call's outgoing gradients: the node of its replayed ``out`` (run with gradients on)
+    given the ``incoming`` gradients (float64), against the ``dumped`` outgoing ones (``recorded``: their
+    nodes, for the dtypes); ``((), reason)`` when they cannot be judged."""
+    given, why = node_gradients(out, incoming, len(dumped))
+    if why:
+        return (), why
+    return judge_gradients(incoming, recorded, dumped, given), ""
+
+
+def node_gradients(out: Any, incoming: list[Any], expected: int) -> tuple[list[Any], str]:
+    """The gradients the node of the replayed ``out`` gives back for the ``incoming`` ones (``expected`` of
+    them, as the dump has), or ``([], reason)``."""
     outputs = [t for t in flat(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     nodes = {id(t.grad_fn): t.grad_fn for t in outputs}
     if len(nodes) != 1:
-        return (), "its outputs have no autograd node of their own" if not nodes else "several output nodes"
+        return [], "its outputs have no autograd node of their own" if not nodes else "several output nodes"
     node: Any = next(iter(nodes.values()))  # a torch.autograd.graph.Node: calling it runs its backward
     if len(incoming) != len(outputs) or any(g is None for g in incoming):
-        return (), f"{len(incoming)} incoming gradient(s) recorded for {len(outputs)} output(s)"
+        return [], f"{len(incoming)} incoming gradient(s) recorded for {len(outputs)} output(s)"
     try:
         given = node(*incoming)
     except Exception as exc:
-        return (), raised("the replay's backward", exc)
+        return [], raised("the replay's backward", exc)
     given = list(given) if isinstance(given, tuple) else [given]
-    if len(given) != len(dumped):
-        return (), f"the replay's node gives {len(given)} gradient(s), the dump {len(dumped)}"
+    if len(given) != expected:
+        return [], f"the replay's node gives {len(given)} gradient(s), the dump {expected}"
+    return given, ""
+
+
+def judge_gradients(
+    incoming: list[Any], recorded: list[Any], dumped: list[Any], given: list[Any]
+) -> OwnErrors:
+    """The own errors of the ``dumped`` outgoing gradients against those the replay's node ``given``."""
+    # a gradient with fewer elements than flow in is a sum over their positions (a bias, a weight)
+    flowing = sum(g.numel() for g in incoming)
+    scale = float(sum(torch.linalg.vector_norm(g, 1) for g in incoming)) / flowing if flowing else 0.0
     return tuple(
-        judge_output(n, want, got, sum_to_shape=True) for n, want, got in zip(recorded, dumped, given)
-    ), ""
+        judge_output(n, want, got, True, _floor(n, want, flowing, scale))
+        for n, want, got in zip(recorded, dumped, given)
+    )
+
+
+def _floor(node: Any, want: Any, flowing: int, scale: float) -> float:
+    if not isinstance(want, torch.Tensor) or not want.numel() or not isinstance(node, dict):
+        return 0.0
+    return sum_floor(str(node.get("dtype")).removeprefix("torch."), flowing / want.numel(), scale)

@@ -14,21 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.files import read_json, write_text
 from pytest_msprobe.format.layout import TENSOR_DIR, discover
 from pytest_msprobe.format.names import BACKWARD, FORWARD, parse_name
 from pytest_msprobe.replay.apis import resolve
-from pytest_msprobe.replay.backward import replay_backward
+from pytest_msprobe.replay.backward import replay_backward, run_call
 from pytest_msprobe.replay.standard import OwnError, judge_output
 from pytest_msprobe.replay.values import (
     Unreplayable,
     flat,
     is_tensor_node,
     load_tensor,
-    raised,
     rebuild_inputs,
 )
 
@@ -92,11 +89,17 @@ def replay_call(
         expected = [load(node) if is_tensor_node(node) else None for node in recorded]
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc)
-    try:
-        with torch.no_grad():
-            out = target.fn(*args, **kwargs)
-    except Exception as exc:  # a call its own recorded inputs do not rebuild: say so, do not guess
-        return (), raised("the replay", exc)
+    out, why = run_call(target, args, kwargs, grad=False)
+    if why:
+        return (), why
+    return judge_forward(out, recorded, expected)
+
+
+def judge_forward(
+    out: Any, recorded: list[Any], expected: list[Any]
+) -> tuple[tuple[OwnError | None, ...], str]:
+    """The own errors of a call's outputs: its replayed ``out`` against the ``expected`` tensors as dumped
+    (``recorded``: their nodes, for the dtypes); ``((), reason)`` when they do not line up."""
     produced = flat(out)
     if len(produced) != len(recorded):
         return (), f"the replay gave {len(produced)} output(s), the dump {len(recorded)}"

@@ -16,12 +16,14 @@ The own error compares the call's dumped output with the float64 replay of its d
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
 from pytest_msprobe.format.own_errors import SHARE_BOUNDS, OwnError
+from pytest_msprobe.replay.figures import figures
 
 # dtype -> (small-value bound, absolute error allowed on small values, relative-error bound and share bound)
 _STANDARD = {
@@ -31,29 +33,33 @@ _STANDARD = {
     "bfloat16": (2.0**-8, 2.0**-16, 1e-2),
 }
 _NP = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
+_WIDENED = (np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16))  # read as they are
 
 
-def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
-    """The own error of one output: ``dumped`` as recorded (widened to float64), ``replay`` in float64."""
+def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str, floor: float = 0.0) -> OwnError:
+    """The own error of one output: ``dumped`` as recorded (float32 and float16 are widened as they are read),
+    ``replay`` in float64; ``floor``: a least floor of the relative errors' denominator (:func:`sum_floor`)."""
     small_bound, small_abs, rel_bound = _STANDARD.get(dtype, _STANDARD["float32"])
-    d = np.asarray(dumped, dtype=np.float64).ravel()
+    d = np.asarray(dumped).ravel()
+    if d.dtype not in _WIDENED:
+        d = d.astype(np.float64)
     r = np.asarray(replay, dtype=np.float64).ravel()
     n = int(d.size)
-    finite = np.isfinite(d) & np.isfinite(r)
-    same_special = (~np.isfinite(d)) & (~np.isfinite(r)) & ((d == r) | (np.isnan(d) & np.isnan(r)))
-    mismatch = int(np.count_nonzero(~finite & ~same_special))
-    d, r = d[finite], r[finite]
-    diff = np.abs(d - r)
-    small = np.abs(r) < small_bound
-    floor = max(small_bound, 0.1 * float(np.median(np.abs(r)))) if r.size else small_bound
-    rel = diff / np.maximum(np.abs(r), floor)
-    shares = tuple(float(np.count_nonzero(rel > b)) / rel.size if rel.size else 0.0 for b in SHARE_BOUNDS)
+    ulp_type = _NP[dtype] if dtype in ("float32", "float16") else None
+
+    def floor_of(median: float) -> float:
+        return max(small_bound, 0.1 * median, floor)
+
+    judged = figures(d, r, (small_bound, small_abs), SHARE_BOUNDS, floor_of, ulp_type)
+    mismatch = 0
+    if not judged.finite:  # a value that is not finite on a side (or a difference that overflows)
+        finite = np.isfinite(d) & np.isfinite(r)
+        same_special = (~np.isfinite(d)) & (~np.isfinite(r)) & ((d == r) | (np.isnan(d) & np.isnan(r)))
+        mismatch = int(np.count_nonzero(~finite & ~same_special))
+        judged = figures(d[finite], r[finite], (small_bound, small_abs), SHARE_BOUNDS, floor_of, ulp_type)
+    size = judged.size
+    shares = tuple(over / size if size else 0.0 for over in judged.over)
     rel_share = shares[SHARE_BOUNDS.index(rel_bound)]
-    small_breaches = int(np.count_nonzero(diff[small] > small_abs))
-    ulp_mean = None
-    if dtype in ("float32", "float16") and r.size:
-        spacing = np.spacing(np.abs(r).astype(_NP[dtype])).astype(np.float64)
-        ulp_mean = float(np.mean(diff / np.maximum(spacing, np.finfo(np.float64).tiny)))
     reasons = []
     if mismatch:
         reasons.append(f"{mismatch} element(s) finite on one side only")
@@ -64,13 +70,13 @@ def own_error(dumped: np.ndarray, replay: np.ndarray, dtype: str) -> OwnError:
     return OwnError(
         dtype=dtype,
         elements=n,
-        max_abs=float(diff.max()) if diff.size else 0.0,
-        max_rel=float(rel.max()) if rel.size else 0.0,
-        mean_rel=float(rel.mean()) if rel.size else 0.0,
-        rmse=float(np.sqrt(np.mean(diff**2))) if diff.size else 0.0,
+        max_abs=judged.max_abs,
+        max_rel=judged.max_rel,
+        mean_rel=judged.sum_rel / size if size else 0.0,
+        rmse=math.sqrt(judged.sum_sq / size) if size else 0.0,
         rel_share=rel_share,
-        small_breaches=small_breaches,
-        ulp_mean=ulp_mean,
+        small_breaches=judged.small_breaches,
+        ulp_mean=judged.ulp_sum / size if ulp_type is not None and size else None,
         nonfinite_mismatch=mismatch,
         out_of_line=bool(reasons),
         reason="; ".join(reasons),
@@ -85,11 +91,26 @@ def shape_error(dtype: str, got: tuple[int, ...], want: tuple[int, ...], element
     return OwnError(dtype, elements, 0.0, 0.0, 0.0, 0.0, 1.0, 0, None, 0, True, reason, (1.0, 1.0, 1.0))
 
 
-def judge_output(node: dict[str, Any], want: Any, got: Any, sum_to_shape: bool = False) -> OwnError | None:
+def sum_floor(dtype: str, terms: float, scale: float) -> float:
+    """The floor of the relative errors of a value summed from ``terms`` values of magnitude ``scale`` (a
+    gradient reduced over the positions of its incoming one): ten times the rounding such a sum carries when
+    accumulated in float32 (float64 for float64), over the dtype's bound. A sum that cancels to nothing (the
+    bias gradient of a convolution before a batch norm) is rounding alone, and is judged against that."""
+    if terms <= 1 or not scale:
+        return 0.0
+    eps = float(np.finfo(np.float64 if dtype == "float64" else np.float32).eps)
+    rel_bound = _STANDARD.get(dtype, _STANDARD["float32"])[2]
+    return 10 * eps * math.sqrt(terms) * scale / rel_bound
+
+
+def judge_output(
+    node: dict[str, Any], want: Any, got: Any, sum_to_shape: bool = False, floor: float = 0.0
+) -> OwnError | None:
     """The own error of one recorded tensor (``node``, read as ``want``) against the replay's ``got``: out of
     line by structure when their shapes differ; None where nothing is judged (no tensor on a side, not a
     floating dtype). ``sum_to_shape``: a gradient of a
-    broadcast input is summed to the input's shape first, as autograd does before the node's hooks see it."""
+    broadcast input is summed to the input's shape first, as autograd does before the node's hooks see it.
+    ``floor``: as :func:`own_error` takes it."""
     if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
         return None
     dtype = str(node.get("dtype")).removeprefix("torch.")
@@ -102,4 +123,4 @@ def judge_output(node: dict[str, Any], want: Any, got: Any, sum_to_shape: bool =
             return shape_error(dtype, tuple(got.shape), tuple(want.shape), want.numel())
     if not want.is_floating_point():
         return None
-    return own_error(want.numpy(), got.detach().to(torch.float64).numpy(), dtype)
+    return own_error(want.numpy(), got.detach().to(torch.float64).numpy(), dtype, floor)

@@ -45,6 +45,14 @@ def load_tensor(node: dict[str, Any], tensor_dir: Path) -> torch.Tensor:
     return tensor.to(torch.float64 if dtype.is_floating_point else dtype)
 
 
+def as_leaf(node: dict[str, Any], tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a leaf of a replay with gradients: it takes one where its record says it took one (as
+    recorded: batch_norm's running statistics take none, and may not be asked for one)."""
+    if (tensor.is_floating_point() or tensor.is_complex()) and node.get("requires_grad", True) is not False:
+        tensor.requires_grad_(True)
+    return tensor
+
+
 def rebuild(node: Any, tensor: Callable[[dict[str, Any]], torch.Tensor]) -> Any:
     """A Python value from a dump.json node: tensors through ``tensor``, scalars, None, nested lists."""
     if node is None:

@@ -39,7 +39,7 @@ from pytest_msprobe.run.settings import SessionSettings, TestSettings
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from pytest_msprobe.compare.result import CompareResult
+    from pytest_msprobe.compare.result import CompareResult, SelfCheckResult
 
 # outcome kinds
 INACTIVE, REGENERATED, PASSED, FAILED, MISSING = "inactive", "regenerated", "passed", "failed", "missing"
@@ -55,10 +55,12 @@ class Outcome:
     result: CompareResult | None = None
     reports: dict[str, str] = field(default_factory=dict)
     advisor: str = ""  # the advisor's text, as written to its report (the HTML fragment shows it)
+    self_check: SelfCheckResult | None = None  # the self-check's verdict, without a baseline
 
 
 class _NoDump:
-    """The debugger of a run that compares nothing (no --msprobe-baseline): the training steps just run."""
+    """The debugger of a run that checks nothing (no --msprobe-baseline, no --msprobe-self-check): the training
+    steps just run."""
 
     current_step = 0
 
@@ -172,7 +174,7 @@ class MsprobeRun:
                         raise BaselineError(f"{exc}; regenerate it: {self.regen_command()}") from None
                     except (DumpFormatError, BaselineError) as exc:
                         raise BaselineError(f"unusable baseline: {exc}") from None
-        if session.active and not self.rank_process:
+        if self.active and not self.rank_process:
             # a folder of its own: the same test in another worker or session never shares or clears it
             self.output_dir, self._lock = claim_folder(self.output_dir)
             try:  # a test's output folder linked into the baselines must not be cleared
@@ -188,7 +190,7 @@ class MsprobeRun:
         self.ranks_dir = self.output_dir / "ranks"  # the rank processes' logs and results
         self.debugger: Any = _NoDump()
         try:
-            if session.active:
+            if self.active:
                 from pytest_msprobe import PrecisionDebugger
 
                 md5 = test.task == "md5"  # msprobe's form: task statistics with summary_mode md5
@@ -199,6 +201,7 @@ class MsprobeRun:
                     step=list(test.steps),
                     summary_mode="md5" if md5 else None,
                     max_dump_size=test.max_dump_size,
+                    self_check=test.self_check,
                 )
             self._determinism = _Determinism.save()
             seed_all(seed=test.seed, mode=True)
@@ -208,7 +211,8 @@ class MsprobeRun:
 
     @property
     def active(self) -> bool:
-        return self.session.active
+        """Whether the run dumps: to compare with a baseline, or for the self-check (which needs none)."""
+        return self.session.active or self.settings.self_check
 
     @contextlib.contextmanager
     def step(self, model: Any = None) -> Iterator[None]:
@@ -262,6 +266,7 @@ class MsprobeRun:
             python=platform.python_version(),
             extra={
                 "thresholds": self.settings.thresholds.to_dict(),
+                "self_check": self.settings.self_check,  # the baseline holds each call's own error
                 **({"world_size": self.world_size, "backend": self.backend} if self.world_size > 1 else {}),
             },
         )
@@ -290,8 +295,8 @@ class MsprobeRun:
         test), :class:`MsprobeError` for the other problems (a failure).
         """
         self.debugger.close()
-        # a rank process only dumps: its launcher regenerates or compares every rank's dump
-        if not self.active or self.rank_process or self.store is None or self.baseline_dir is None:
+        # a rank process only dumps: its launcher regenerates, compares or checks every rank's dump
+        if not self.active or self.rank_process:
             if self.world_size > 1 and not self.rank_process:  # nothing to compare: the ranks' logs served
                 shutil.rmtree(self.ranks_dir, ignore_errors=True)
                 with contextlib.suppress(OSError):
@@ -303,6 +308,8 @@ class MsprobeRun:
                 "'with msprobe.step(model):' or call msprobe.debugger.start()/stop()/step() around it"
             )
         self._check_every_step()
+        if self.store is None or self.baseline_dir is None:  # the self-check alone
+            return self._self_check()
         if self.session.regen:
             path = self.store.write(self.nodeid, self.dump_dir, self.manifest())
             self._drop_dump()  # the baseline is the copy
@@ -328,6 +335,7 @@ class MsprobeRun:
                     stack=True,
                     # xdist already runs one test per core: a worker's compare stays in its process
                     jobs=1 if os.environ.get("PYTEST_XDIST_WORKER") else None,
+                    self_check=self.settings.self_check,
                 )
             except DumpFormatError as exc:  # found only now, e.g. a truncated tensor file
                 which = "baseline" if is_inside(exc.path, baseline) else "dump"
@@ -339,6 +347,21 @@ class MsprobeRun:
             return Outcome(PASSED, baseline=baseline, result=result, reports=reports, advisor=advisor)
         message = failure_message(result, reports, baseline, self.regen_command())
         return Outcome(FAILED, message, baseline=baseline, result=result, reports=reports, advisor=advisor)
+
+    def _self_check(self) -> Outcome:
+        """The gate of a self-check without a baseline: every call of the dump judged by its own error (a
+        dump folder without its self_check.json is an error: the gate would have checked part of the run)."""
+        from pytest_msprobe.compare.own import check_dump
+        from pytest_msprobe.report.text import self_check_message
+
+        try:
+            result = check_dump(self.dump_dir, self.settings.thresholds)
+        except DumpFormatError as exc:
+            raise BaselineError(f"unusable dump: {exc}") from None
+        if result.passed:
+            self._drop_dump()
+            return Outcome(PASSED)
+        return Outcome(FAILED, self_check_message(result), self_check=result)
 
     def _check_every_step(self) -> None:
         """Every requested step (on every rank) is in the dump: a loop shorter than the steps asked for, or a

@@ -55,6 +55,7 @@ class TestSettings:
     world_size: int = 1  # > 1: the test body runs in that many rank processes under torch.distributed
     backend: str | None = None  # torch.distributed backend of the ranks; None: by device (gloo, nccl, hccl)
     rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds the rank processes may take, start-up included
+    self_check: bool = False  # replay each API call in float64 and fail on one whose own error is out of line
 
 
 def check_flag(value: Any, where: str) -> bool:
