@@ -311,8 +311,8 @@ def _rounding(calls: _Calls, found: Divergence, own: Mapping[int, OwnVerdict]) -
         f"; calls not replayed that breach before it: {', '.join(unreplayed[:3])}" if unreplayed else ""
     )
     why = (
-        f"no API is out of line: the difference builds up from rounding ({found.api} computes its output "
-        f"as its float64 replay does: {own_summary(v.target)}){suspects}. If the two devices are both right, "
+        f"no API is out of line: the difference builds up from rounding ({found.api}'s own error, against "
+        f"the float64 replay of its own inputs, is within its standard: {own_summary(v.target)}){suspects}. If the two devices are both right, "
         "the new device may need a looser tolerance for this dtype"
     )
     return Divergence(
