@@ -66,6 +66,7 @@ def first_divergence(
     structural: Mapping[int, int] | None = None,
     own: Mapping[int, OwnVerdict] | None = None,
     self_check: bool = False,
+    noise: Collection[int] = (),
 ) -> Divergence | None:
     """Where the error enters (see the module docstring). ``feeds[i]`` are the calls whose tensors call ``i``
     also reads (a backward call's forward call; a parameters_grad's module backward); the inputs of the
@@ -74,9 +75,11 @@ def first_divergence(
     all_reduce sums every rank's input), their outputs are not (they are the same result, and differ when
     call ``i``'s does). ``structural[i]`` is the call only one side makes whose output call ``i`` reads.
     ``own[i]`` is call ``i``'s own-error verdict, where it has one; an out-of-line call is a divergence of
-    its own only with ``self_check`` (then it fails the compare), otherwise where something breaches."""
+    its own only with ``self_check`` (then it fails the compare), otherwise where something breaches.
+    ``noise`` are the rows whose difference is too small to measure (every value within atol): as inputs they
+    do not match the baseline, they are unknown."""
     own = own or {}
-    calls = _Calls(apis, rows, feeds, opaque, peers or {})
+    calls = _Calls(apis, rows, feeds, opaque, peers or {}, frozenset(noise))
     compared = sorted((api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED)
     breaching = [i for _, i in compared if apis[i].output_breach]
     found = _enters(calls, breaching)
@@ -120,9 +123,13 @@ class _Calls:
     feeds: Mapping[int, Sequence[int]]
     opaque: Collection[int]
     peers: Mapping[int, Sequence[int]]
+    noise: frozenset[int] = frozenset()
 
     def near(self, j: int) -> bool:
-        # within a tenth of its tolerance: a row this close to the line does not "match" the baseline
+        # within a tenth of its tolerance: a row this close to the line does not "match" the baseline; nor
+        # does one whose difference is too small to measure
+        if j in self.noise:
+            return True
         r = self.rows[j]
         return r.error is not None and r.allowed is not None and r.error > r.allowed * NEAR_FRACTION
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import openpyxl
 import pytest
@@ -221,3 +223,26 @@ def test_the_cli_gates_on_own_errors_only_when_asked(
     out = capsys.readouterr().out
     assert code == 1 and f"1 out of line (first: {RELU}, step 0, rank 0)" in out
     assert (tmp_path / "b" / "own_errors.csv").is_file()
+
+
+def test_an_input_too_small_to_measure_does_not_match(make_dump: Callable[..., Path]) -> None:
+    """Adam's second moment of a gradient that is rounding noise (1e-22): its difference is within atol, so it
+    counts as none, but its square root differs by half its size. The sqrt is not where the error enters."""
+    from compare_helpers import tensor
+
+    def data(v: float) -> dict[str, Any]:
+        moment = tensor([32], 0.0, v, v / 4, v * 3)
+        root = v**0.5
+        return {
+            "Tensor.sqrt.7.forward": {
+                "input_args": [moment],
+                "input_kwargs": {},
+                "output": [tensor([32], 0.0, root, root / 4, root * 3)],
+            }
+        }
+
+    result = compare(make_dump("t", data(2e-22)), make_dump("b", data(1.5e-22)))
+    assert not result.passed
+    fd = result.first_divergence
+    assert fd is not None and fd.api == "Tensor.sqrt.7.forward" and fd.rule == "inherited"
+    assert result.rows[0].error == 0.0  # (the input's difference is within atol)
