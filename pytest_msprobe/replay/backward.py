@@ -47,6 +47,8 @@ def replay_backward(
         dumped = [load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in recorded]
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc)
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record
+        return (), raised("rebuilding its inputs", exc)
     out, why = run_call(target, args, kwargs, grad=True)
     if why:
         return (), why

@@ -26,6 +26,7 @@ from pytest_msprobe.replay.values import (
     flat,
     is_tensor_node,
     load_tensor,
+    raised,
     rebuild_inputs,
 )
 
@@ -89,6 +90,8 @@ def replay_call(
         expected = [load(node) if is_tensor_node(node) else None for node in recorded]
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc)
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record
+        return (), raised("rebuilding its inputs", exc)
     out, why = run_call(target, args, kwargs, grad=False)
     if why:
         return (), why
