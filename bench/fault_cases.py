@@ -429,7 +429,7 @@ def main() -> None:
 
     name, active, task, dump_path, fired_json, *rest = sys.argv[1:]
     torch.set_num_threads(1)
-    fault = next((f for f in FAULTS + BENIGN if f.name == name), None) or Fault(name, name, "benign", "rerun")
+    fault = next(f for f in FAULTS + BENIGN if f.name == name)
     steps = tuple(int(s) for s in active.split(",")) if active != "-" else ()
     fired = train(fault, steps, task, Path(dump_path), *(rest or ["msprobe"]))
     Path(fired_json).write_text(json.dumps(fired))
