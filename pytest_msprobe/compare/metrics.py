@@ -22,6 +22,20 @@ elements within a factor 2 of its largest magnitude, when every other element of
 then also given for the values outside it (``rest_rel_l2``, ``rest_scaled_max_abs``), their differences against
 their own size; the fill's own differences stay in the whole tensor's. NaN/Inf at the same places are set to 0
 first (a ``-inf`` mask needs nothing more).
+
+Edge cases: NaN/Inf at the same positions with the same values are set to 0 on both sides and the rest is
+compared (``nonfinite="same"``); anywhere else no metric is given (``nonfinite="different"``). A shape
+mismatch gives no metric. Empty tensors give no metric. int and bool are compared as floats. A 0-d tensor is
+one element: every metric but Cosine is defined for it (msprobe leaves EucDist and the ratios out).
+
+Statistics rows (task ``statistics``): ``diff = n - b`` for Max, Min, Mean and Norm; msprobe's relative error
+``|diff| / |b|`` (None where b == 0) as a number, not a "%" string; and ours, the **scaled error**: Max, Min and
+Mean differences divided by the tensor's range ``max(|Max|, |Min|)`` over both sides, the Norm difference by the
+larger Norm. The scale of a statistic that sits near zero (the mean of a normalised output) is the tensor's
+range, not the statistic itself, so its tiny absolute noise does not look like a huge relative error.
+
+Float32 data is compared in float32 with float64 accumulation across blocks of 64 Ki elements: the metrics
+agree with msprobe's float64 values to about 1e-6 relative, at a fraction of the cost.
 """
 
 from __future__ import annotations
