@@ -322,8 +322,8 @@ def _tensor_errors(metrics: TensorMetrics, tol: Tolerance) -> str:
     return (
         f"RelL2Err {fmt_number(metrics.rest_rel_l2)}, ScaledMaxAbsErr {fmt_number(metrics.rest_scaled_max_abs)} "
         f"of the values outside the fill {fmt_number(metrics.fill)} ({limits}; the fill, in {metrics.fill_count} "
-        f"of {metrics.numel} elements on both sides, sets the whole tensor's scale: RelL2Err "
-        f"{fmt_number(metrics.rel_l2)} of all of it)"
+        f"of {metrics.numel} elements, sets the whole tensor's scale: RelL2Err {fmt_number(metrics.rel_l2)} of "
+        "all of it)"
     )
 
 

@@ -14,13 +14,14 @@ RelL2Err (ours)             EucDist / max(|n|₂, |b|₂); 0 when both are zero
 ScaledMaxAbsErr (ours)      MaxAbsErr / max(max|n|, max|b|); 0 when both are zero
 =========================== ==================================================================================
 
-**A fill that sets the scale.** A tensor whose largest values are one fill value that both sides hold at the
-same places (an attention mask written with ``masked_fill(mask, -1e4)``, ``-1e9``, ``finfo.min``), at least
-:data:`FILL_GAP` times every other value, would have its differences measured against the fill: a drift of 1%
-of the unmasked scores is 1e-6 of a -1e4 fill. Such a fill is found as the tensor is read, and RelL2Err and
-ScaledMaxAbsErr are also given for the values outside it (``rest_rel_l2``, ``rest_scaled_max_abs``), measured
-against their own size. A value that is not the same on both sides is never a fill; NaN/Inf at the same places
-are set to 0 first (a ``-inf`` mask needs nothing more).
+**A fill that sets the scale.** A tensor whose largest values are a mask fill (``masked_fill(mask, -1e4)``,
+``-1e9``, ``finfo.min``, or scores plus a ``-1e4`` mask) would have its differences measured against the fill: a
+drift of 1% of the unmasked scores is 1e-6 of a -1e4 fill. A fill is found as the tensor is read: the baseline's
+elements within a factor 2 of its largest magnitude, when every other element of both sides is at least
+:data:`FILL_GAP` times smaller (and there are two or more: one is an outlier). RelL2Err and ScaledMaxAbsErr are
+then also given for the values outside it (``rest_rel_l2``, ``rest_scaled_max_abs``), their differences against
+their own size; the fill's own differences stay in the whole tensor's. NaN/Inf at the same places are set to 0
+first (a ``-inf`` mask needs nothing more).
 
 Edge cases: NaN/Inf at the same positions with the same values are set to 0 on both sides and the rest is
 compared (``nonfinite="same"``); anywhere else no metric is given (``nonfinite="different"``). A shape
@@ -49,8 +50,8 @@ from pytest_msprobe.format.tensordata import TensorFile, compute_dtype
 
 EPS = float(np.finfo(np.float32).eps)
 BLOCK = 1 << 16
-# a fill must be at least this many times every other value of its tensor (on both sides) to be set apart:
-# then a scale that includes it understates the other values' differences by as much
+# a fill must be at least this many times every other value of its tensor (on both sides) to be set apart: a
+# scale that includes it understates the other values' differences by as much
 FILL_GAP = 64.0
 
 
@@ -70,15 +71,15 @@ class TensorMetrics:
     numel: int = 0  # values compared (a complex element is two)
     note: str = ""
     shape_differs: bool = False  # the two tensors have other shapes: no metric at all
-    # a fill value both sides hold at the same places, which dominates every other value (see the module doc)
+    # the baseline's value at the top of a fill that dominates every other value (see the module doc)
     fill: float | None = None
-    fill_count: int = 0  # elements holding it
+    fill_count: int = 0  # elements in the fill
     rest_rel_l2: float | None = None  # RelL2Err of the values outside the fill
     rest_scaled_max_abs: float | None = None  # ScaledMaxAbsErr of the values outside the fill
 
     @property
     def error(self) -> float | None:
-        """The scaled error the verdict uses: RelL2Err, of the values outside the fill when there is one.
+        """The scaled error the verdict uses: RelL2Err, and that of the values outside the fill when there is one.
 
         The error of the tensor as a whole (its norm against the tensor's), not of its worst element: an
         element-wise operation that divides by a value near zero (Adam's ``m / (sqrt(v) + eps)`` for a weight
@@ -86,14 +87,16 @@ class TensorMetrics:
         """
         if self.rel_l2 is None:
             return None
-        return self.rest_rel_l2 if self.rest_rel_l2 is not None else self.rel_l2
+        return self.rel_l2 if self.rest_rel_l2 is None else max(self.rel_l2, self.rest_rel_l2)
 
     @property
     def peak(self) -> float | None:
-        """The worst element's scaled error: ScaledMaxAbsErr, of the values outside the fill when there is one."""
+        """The worst element's scaled error: ScaledMaxAbsErr, and that of the values outside the fill."""
         if self.scaled_max_abs is None:
             return None
-        return self.rest_scaled_max_abs if self.rest_scaled_max_abs is not None else self.scaled_max_abs
+        if self.rest_scaled_max_abs is None:
+            return self.scaled_max_abs
+        return max(self.scaled_max_abs, self.rest_scaled_max_abs)
 
 
 class _Acc:
@@ -108,7 +111,13 @@ class _Acc:
         "count",
         "dd",
         "fill",
+        "fill_aa",
+        "fill_bb",
+        "fill_d",
+        "fill_dd",
+        "fill_low",
         "fill_n",
+        "fill_top_a",
         "fill_value",
         "max_a",
         "max_abs",
@@ -117,6 +126,8 @@ class _Acc:
         "nonfinite",
         "rest_aa",
         "rest_bb",
+        "rest_d",
+        "rest_dd",
         "rest_top",
     )
 
@@ -125,10 +136,12 @@ class _Acc:
         self.max_abs = self.max_rel = self.max_a = self.max_b = 0.0
         self.c1 = self.c5 = self.count = 0
         self.nonfinite: str | None = None
-        # the fill candidate: the largest magnitude of the baseline so far, the elements found holding it on
-        # both sides, and the sums and largest magnitude of every other element (of both sides)
-        self.fill = self.fill_value = self.rest_aa = self.rest_bb = self.rest_top = 0.0
-        self.fill_n = 0
+        # the fill candidate: the baseline's largest magnitude so far and the elements within a factor 2 of it
+        # (count, sums of squares of both sides and of the difference, largest difference, smallest baseline
+        # and largest target magnitude, the baseline's value at the top); the same sums of every other element
+        self.fill = self.fill_value = self.fill_aa = self.fill_bb = self.fill_dd = self.fill_d = 0.0
+        self.fill_top_a, self.fill_low, self.fill_n = 0.0, math.inf, 0
+        self.rest_aa = self.rest_bb = self.rest_dd = self.rest_d = self.rest_top = 0.0
 
 
 def _as_blocks(x: TensorFile | np.ndarray, block: int) -> Iterator[np.ndarray]:
@@ -217,9 +230,9 @@ def _block(acc: _Acc, a: np.ndarray, b: np.ndarray, d: np.ndarray, r: np.ndarray
     absb = np.abs(b, out=r)
     top_b = float(absb.max())
     acc.max_b = max(acc.max_b, top_b)
-    _track_fill(acc, a, b, absb, aa, bb, top_a, top_b)
     np.abs(d, out=d)
     block_max = float(d.max())
+    _track_fill(acc, a, b, absb, (aa, bb, dd), (top_a, top_b, block_max))
     if block_max == 0.0:  # identical block: every relative error is 0
         acc.c1 += a.size
         acc.c5 += a.size
@@ -238,55 +251,73 @@ def _track_fill(
     a: np.ndarray,
     b: np.ndarray,
     absb: np.ndarray,
-    aa: float,
-    bb: float,
-    top_a: float,
-    top_b: float,
+    sums: tuple[float, float, float],
+    tops: tuple[float, float, float],
 ) -> None:
-    """Follow the fill candidate through one block: the baseline's largest magnitude, when every element of the
-    block that comes within :data:`FILL_GAP` of it holds exactly it, on both sides."""
-    if top_b > acc.fill:  # a larger top: the old candidate's elements are values like the others
-        acc.rest_aa += acc.fill_n * acc.fill * acc.fill
-        acc.rest_bb += acc.fill_n * acc.fill * acc.fill
-        if acc.fill_n:
-            acc.rest_top = max(acc.rest_top, acc.fill)
-        acc.fill, acc.fill_n = top_b, 0
-    elif top_b < acc.fill or top_b == 0.0:  # (the usual case once the tensor's top is known: no extra work)
-        acc.rest_aa += aa
-        acc.rest_bb += bb
-        acc.rest_top = max(acc.rest_top, top_a, top_b)
+    """Follow the fill candidate through one block (see :data:`FILL_GAP`): the elements whose baseline magnitude
+    is within a factor 2 of the largest so far, when nothing else comes within :data:`FILL_GAP` of it.
+
+    ``sums`` are the block's sums of squares (target, baseline, difference), ``tops`` its largest magnitudes
+    (target, baseline, difference)."""
+    aa, bb, dd = sums
+    top_a, top_b, top_d = tops
+    if top_b > acc.fill:
+        if acc.fill_n and acc.fill_low < top_b / 2:  # the old candidate leaves the band: values like the rest
+            _to_rest(acc, acc.fill_aa, acc.fill_bb, acc.fill_dd, max(acc.fill, acc.fill_top_a), acc.fill_d)
+            acc.fill_n, acc.fill_aa, acc.fill_bb, acc.fill_dd, acc.fill_d = 0, 0.0, 0.0, 0.0, 0.0
+            acc.fill_low, acc.fill_top_a = math.inf, 0.0
+        acc.fill = top_b
+    top = acc.fill
+    band = None
+    # (once anything comes near the top, as in almost every tensor, no block needs more than this test)
+    if top_b >= top / 2 and acc.rest_top * FILL_GAP <= top and top > 0:
+        n_band = int(np.count_nonzero(absb >= top / 2))
+        if np.count_nonzero(absb >= top / FILL_GAP) == n_band:
+            band = absb >= top / 2
+    if band is None:
+        _to_rest(acc, aa, bb, dd, max(top_a, top_b), top_d)
         return
-    held = None
-    if top_a <= top_b:  # (a larger target value is never a fill)
-        n_top = int(np.count_nonzero(absb == top_b))
-        if np.count_nonzero(absb >= top_b / FILL_GAP) == n_top:  # nothing else comes near the top
-            held = absb == top_b
-            if not np.array_equal(a[held], b[held]):
-                held = None
-    if held is None:  # values near the top that vary, or differ between the sides: no fill
-        acc.rest_aa += aa
-        acc.rest_bb += bb
-        acc.rest_top = max(acc.rest_top, top_a, top_b)
-        return
-    rest = ~held
+    rest = ~band
     if rest.any():
         ra, rb = a[rest].astype(np.float64), b[rest].astype(np.float64)
-        acc.rest_aa += float(np.dot(ra, ra))
-        acc.rest_bb += float(np.dot(rb, rb))
-        acc.rest_top = max(acc.rest_top, float(np.abs(ra).max()), float(np.abs(rb).max()))
-    if not acc.fill_n:
-        acc.fill_value = float(b[held][0])
-    acc.fill_n += int(np.count_nonzero(held))
+        rd = ra - rb
+        _to_rest(
+            acc,
+            float(np.dot(ra, ra)),
+            float(np.dot(rb, rb)),
+            float(np.dot(rd, rd)),
+            max(float(np.abs(ra).max()), float(np.abs(rb).max())),
+            float(np.abs(rd).max()),
+        )
+    fa, fb = a[band].astype(np.float64), b[band].astype(np.float64)
+    fd = fa - fb
+    acc.fill_aa += float(np.dot(fa, fa))
+    acc.fill_bb += float(np.dot(fb, fb))
+    acc.fill_dd += float(np.dot(fd, fd))
+    acc.fill_d = max(acc.fill_d, float(np.abs(fd).max()))
+    acc.fill_top_a = max(acc.fill_top_a, float(np.abs(fa).max()))
+    acc.fill_low = min(acc.fill_low, float(np.abs(fb).min()))
+    acc.fill_n += int(fb.size)
+    if top_b == top:
+        acc.fill_value = float(b[int(np.argmax(absb))])
 
 
-def _rest_errors(acc: _Acc, euc: float) -> tuple[float | None, float | None]:
+def _to_rest(acc: _Acc, aa: float, bb: float, dd: float, top: float, top_d: float) -> None:
+    acc.rest_aa += aa
+    acc.rest_bb += bb
+    acc.rest_dd += dd
+    acc.rest_top = max(acc.rest_top, top)
+    acc.rest_d = max(acc.rest_d, top_d)
+
+
+def _rest_errors(acc: _Acc) -> tuple[float | None, float | None]:
     """RelL2Err and ScaledMaxAbsErr of the values outside the fill; (None, None) when there is no fill."""
     if acc.fill_n < 2 or acc.fill < FILL_GAP * acc.rest_top:  # (one element is an outlier, not a fill)
         return None, None
-    norm = max(math.sqrt(acc.rest_aa), math.sqrt(acc.rest_bb))
-    if norm == 0.0:  # the rest is zero on both sides, so every difference is at the fill: there is none
+    norm = math.sqrt(max(acc.rest_aa, acc.rest_bb))
+    if norm == 0.0:  # the rest is zero on both sides: nothing else to measure
         return 0.0, 0.0
-    return euc / norm, acc.max_abs / acc.rest_top
+    return math.sqrt(acc.rest_dd) / norm, acc.rest_d / acc.rest_top
 
 
 def _finish(acc: _Acc, numel: int) -> TensorMetrics:
@@ -315,7 +346,7 @@ def _finish(acc: _Acc, numel: int) -> TensorMetrics:
     top_abs = max(acc.max_a, acc.max_b)
     if acc.nonfinite == "same":
         note = (note + "; " if note else "") + "NaN/Inf at the same positions on both sides were set to 0"
-    rest_rel_l2, rest_scaled = _rest_errors(acc, euc)
+    rest_rel_l2, rest_scaled = _rest_errors(acc)
     return TensorMetrics(
         cosine=cosine,
         euc_dist=euc,

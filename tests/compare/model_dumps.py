@@ -8,6 +8,8 @@ Variants, active while the steps run:
   forward and backward (more accurate, not less), each keeping the autograd node of the float32 call;
 - ``perturb("linear", n, 1e-3)``: the output of the n-th call of the API in each step times (1 + 1e-3 N(0, 1));
 - ``drift_under_mask(n, drift)``: the unmasked values of the n-th ``masked_fill`` of each step times (1 + drift);
+  ``drift_under_added_mask(n, drift)`` the same for the n-th ``Tensor.__add__`` (with ``mask="add"``, the
+  scores plus a 0 / fill mask);
 - ``order="vkq"``: the attention's projections computed in another order (the same numbers).
 
 A fault changes the output in place under ``no_grad``, so the op keeps its own autograd node (and its
@@ -36,6 +38,7 @@ def dump_model(
     width: int = 32,
     layers: int = 2,
     fill: float = -1e4,
+    mask: str = "fill",
     order: str = "qkv",
     variant: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Path:
@@ -47,7 +50,7 @@ def dump_model(
     deterministic, hashseed = torch.are_deterministic_algorithms_enabled(), os.environ.get("PYTHONHASHSEED")
     try:
         seed_all(seed, mode=True)
-        net = _transformer(width, layers, fill) if model == "transformer" else _cnn(width)
+        net = _transformer(width, layers, fill, mask) if model == "transformer" else _cnn(width)
         for module in net.modules():
             if hasattr(module, "order"):
                 module.order = order
@@ -87,7 +90,7 @@ def dump_model(
 
 
 # -------------------------------------------------------------------------------------------------- models
-def _transformer(width: int, layers: int, fill: float) -> Any:
+def _transformer(width: int, layers: int, fill: float, masking: str) -> Any:
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -106,7 +109,11 @@ def _transformer(width: int, layers: int, fill: float) -> Any:
             split = {name: getattr(self, name)(x) for name in self.order}  # independent calls, any order
             q, k, v = (split[name].view(b, n, heads, d // heads).transpose(1, 2) for name in "qkv")
             scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d // heads)
-            probs = F.softmax(scores.masked_fill(mask, fill), dim=-1)
+            if masking == "fill":
+                scores = scores.masked_fill(mask, fill)
+            else:  # an additive mask: the masked scores are the scores plus the fill
+                scores = scores + torch.zeros(mask.shape).masked_fill(mask, fill)
+            probs = F.softmax(scores, dim=-1)
             return self.o(torch.matmul(probs, v).transpose(1, 2).reshape(b, n, d))
 
     class Block(nn.Module):
@@ -297,6 +304,30 @@ def drift_under_mask(call: int, drift: float) -> Iterator[_Patch]:
         return out
 
     orig = patch.replace(torch.Tensor, "masked_fill", faulty)
+    try:
+        yield patch
+    finally:
+        patch.restore()
+
+
+@contextlib.contextmanager
+def drift_under_added_mask(call: int, drift: float) -> Iterator[_Patch]:
+    """The values the ``call``-th ``Tensor.__add__`` of each step leaves unmasked (where its other operand, the
+    mask, is 0), times (1 + drift)."""
+    import torch
+
+    patch = _Patch()
+    orig: Any = None
+
+    def faulty(self: Any, other: Any) -> Any:
+        out = orig(self, other)
+        if patch.calls == call:
+            with torch.no_grad():
+                out.copy_(torch.where(other == 0, out * (1 + drift), out))
+        patch.calls += 1
+        return out
+
+    orig = patch.replace(torch.Tensor, "__add__", faulty)
     try:
         yield patch
     finally:

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from model_dumps import drift_under_mask, dump_model, float64_matmul  # noqa: E402
+from model_dumps import drift_under_added_mask, drift_under_mask, dump_model, float64_matmul  # noqa: E402
 
 from pytest_msprobe.compare import compare  # noqa: E402
 from pytest_msprobe.report.advisor import advisor_text  # noqa: E402
@@ -70,7 +70,7 @@ def test_in_statistics_mode_the_advisor_says_a_fill_hides_the_drift(dumps: Calla
     fd = result.first_divergence
     assert fd is not None and fd.api == "Functional.softmax.0.forward"  # where the statistics first see it
     assert (
-        "Functional.softmax.0.forward.input.0 has Min -1e+04 on both sides, a mask fill that sets its range"
+        "Functional.softmax.0.forward.input.0 has Min -10000 on both sides, a mask fill (a sentinel value) that sets its range"
         in advisor_text(result)
     )
 
@@ -92,3 +92,30 @@ def test_float64_matmul_passes_under_the_fill(dumps: Callable[..., Path]) -> Non
                 assert (
                     row.error is not None and row.error < 1e-6
                 )  # the scores' own rounding, outside the fill
+
+
+def test_a_drift_under_an_added_mask_is_named_at_the_add(dumps: Callable[..., Path]) -> None:
+    baseline = dumps("add-clean", mask="add", steps=1)
+    faulty = dumps("add-drift", mask="add", steps=1, variant=lambda: drift_under_added_mask(0, 0.0096))
+    result = compare(faulty, baseline, jobs=1)
+    fd = result.first_divergence
+    assert fd is not None and (fd.api, fd.rule) == ("Tensor.__add__.0.forward", "enters")
+    fill = result.rows[fd.row_index].tensor
+    assert fill is not None and fill.fill is not None and -1e4 - 10 < fill.fill < -1e4 + 10  # scores - 1e4
+    benign = compare(dumps("add-float64", mask="add", steps=1, variant=float64_matmul), baseline, jobs=1)
+    assert benign.passed, [a.reason for a in benign.failures]
+    # statistics: the softmax is where they see it, and the advisor says that the scores' Min is the mask's
+    baseline = dumps("add-clean-stat", mask="add", steps=1, task="statistics")
+    faulty = dumps(
+        "add-drift-stat",
+        mask="add",
+        steps=1,
+        task="statistics",
+        variant=lambda: drift_under_added_mask(0, 0.0096),
+    )
+    result = compare(faulty, baseline, jobs=1)
+    assert (
+        result.first_divergence is not None and result.first_divergence.api == "Functional.softmax.0.forward"
+    )
+    assert "Functional.softmax.0.forward.input.0 has Min -100" in advisor_text(result)
+    assert "a mask fill (a sentinel value) that sets its range" in advisor_text(result)

@@ -281,21 +281,40 @@ def test_a_minus_inf_mask_is_left_out_with_the_other_nonfinite_values() -> None:
 @pytest.mark.parametrize(
     "target, baseline",
     [
-        # the top values differ between the sides: a result of computation, not a fill
-        ([1e4, 1e4 + 1, 0.5, 0.25], [1e4, 1e4, 0.5, 0.25]),
-        # values near the top that vary (an additive mask: scores - 1e4)
-        ([-1e4 + 0.5, -1e4 - 0.25, 0.5, 0.25], [-1e4 + 0.5, -1e4 - 0.25, 0.501, 0.25]),
+        # values near the top that vary more than a factor 2
+        ([-1e4, -3e3, 0.5, 0.25], [-1e4, -3e3, 0.501, 0.25]),
+        # something between the top and the rest
+        ([-1e4, -1e4, 200.0, 0.25], [-1e4, -1e4, 200.0, 0.251]),
         # a saturated activation (relu6): the fill does not dominate the rest
         ([6.0, 6.0, 5.5, 1.0], [6.0, 6.0, 5.5, 1.001]),
         # one large value is an outlier, not a fill
         ([1e4, 0.5, 0.25, 0.125], [1e4, 0.5, 0.25, 0.126]),
-        # a larger target value is never a fill
+        # a large target value where the baseline has none
         ([1e4, 1e4, 2e4, 0.25], [1e4, 1e4, 0.5, 0.25]),
+        # legitimate values over three orders of magnitude and rounding noise below them (the bias gradient of
+        # a fused qkv projection: the key's part is zero): no fill
+        ([1e-3, -4e-4, 2e-5, 3e-6, 1e-10, -2e-10], [1e-3, -4e-4, 2e-5, 3e-6, 3e-10, 1e-10]),
     ],
 )
 def test_what_is_not_a_fill(target: list[float], baseline: list[float]) -> None:
     m = tensor_metrics(np.array(target, f32), np.array(baseline, f32))
     assert (m.fill, m.rest_rel_l2, m.rest_scaled_max_abs) == (None, None, None)
+
+
+def test_an_additive_mask_is_a_fill_and_its_own_rounding_stays_in_the_whole_tensor() -> None:
+    rng = np.random.default_rng(8)
+    scores = (0.4 * rng.standard_normal((6, 40, 40))).astype(f32)
+    mask = np.where(np.triu(np.ones((40, 40), bool), 1), f32(-1e4), f32(0))
+    baseline = (scores + mask).astype(f32)  # -1e4 + s: values that vary near the fill
+    noisy = (scores * (1 + 1e-7 * rng.standard_normal(scores.shape)).astype(f32) + mask).astype(f32)
+    m = tensor_metrics(noisy, baseline)
+    assert m.fill is not None and -1e4 - 2 < m.fill < -1e4 + 2 and m.fill_count == 6 * 40 * 39 // 2
+    assert m.rest_rel_l2 is not None and m.rest_rel_l2 < 3e-7  # the scores' rounding, against the scores
+    assert m.error is not None and m.error < 1e-6  # (an ulp of 1e4 on the masked ones: 1e-7 of the fill)
+    drifted = ((scores * f32(1.0096)) + mask).astype(f32)  # the drift reaches the masked ones too
+    m = tensor_metrics(drifted, baseline)
+    assert m.rest_rel_l2 == pytest.approx(0.0096 / 1.0096, rel=0.01)
+    assert m.rel_l2 is not None and m.rel_l2 < 1e-5
 
 
 def test_a_fill_found_in_a_later_block_sets_the_earlier_ones_apart_too() -> None:
