@@ -194,7 +194,7 @@ THRESHOLD_OPTIONS = (
     _shared(
         "atol", flag="--msprobe-atol", ini="msprobe_atol", marker="atol",
         metavar="FLOAT", type=settings.parse_nonnegative,
-        help="absolute differences at or below this never count (float32 default 1e-12)",
+        help="absolute differences at or below this never count (float32 default 1e-9)",
         ini_help="absolute differences at or below this never count",
     ),
     _shared(

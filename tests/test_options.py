@@ -35,14 +35,14 @@ def _tolerances(
 
 def test_a_global_value_on_the_command_line_speaks_for_every_floating_dtype(tmp_path: Path) -> None:
     t = _tolerances(tmp_path, {"msprobe_rtol": 0.5}, {"dtype_rtol": {"float32": 1e-3}})
-    assert t["float32"] == Tolerance(0.5, 0.05, 1e-12)
+    assert t["float32"] == Tolerance(0.5, 0.05, 1e-9)
     assert t["float16"] == Tolerance(0.5, 0.05, F16.atol)
     assert t["int64"].error == 0  # a global value is for the floating dtypes only
 
 
 def test_the_markers_dtype_rtol_alone_sets_its_dtype(tmp_path: Path) -> None:
     t = _tolerances(tmp_path, {}, {"dtype_rtol": {"float32": 1e-3}})
-    assert t["float32"] == Tolerance(1e-3, 1e-4, 1e-12)
+    assert t["float32"] == Tolerance(1e-3, 1e-4, 1e-9)
     assert t["float16"] == F16
 
 
@@ -50,7 +50,7 @@ def test_a_higher_layer_that_names_one_dtype_leaves_the_others_to_the_layers_bel
     t = _tolerances(
         tmp_path, {"msprobe_dtype_rtol": [("float32", 1e-3)]}, {"rtol": 0.5}, {"msprobe_atol": "1"}
     )
-    assert t["float32"] == Tolerance(1e-3, 1e-4, 1e-12)  # all of float32 from the command line: no ini atol
+    assert t["float32"] == Tolerance(1e-3, 1e-4, 1e-9)  # all of float32 from the command line: no ini atol
     assert t["float16"] == Tolerance(0.5, 0.05, F16.atol)  # the marker's global value, not the ini's atol
 
 

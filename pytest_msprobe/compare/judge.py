@@ -199,7 +199,7 @@ def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
     unusable = _unusable(target, baseline, tol)
     if unusable is not None:
         return unusable
-    metrics = stat_metrics(target.stats, baseline.stats)
+    metrics = stat_metrics(target.stats, baseline.stats, baseline.dtype)
     if metrics.error is None:
         return _tensor_notes(
             Check(SKIPPED, reason="no statistics to compare", stat=metrics), target, baseline
@@ -242,11 +242,25 @@ def check_statistics(target: Leaf, baseline: Leaf, tol: Tolerance) -> Check:
             reason = f"{name} differs ({values}; allowed {fmt_number(tol.error)} of a scale, and {scale})"
         else:
             scale = "its value" if worst_i == 3 else "the tensor's range"
+            if (
+                metrics.fill is not None
+                and worst_i in (0, 1, 2)
+                and not _is_fill_stat(metrics, baseline, worst_i)
+            ):
+                scale = (
+                    f"the values outside the mask fill {fmt_number(metrics.fill)} (the tensor's "
+                    f"{'Min' if baseline.stats[1] == metrics.fill else 'Max'} on both sides, which sets its range)"
+                )
             reason = f"{name} differs by {fmt_number(scaled)} of {scale} ({values}; allowed {fmt_number(tol.error)})"
     check = Check(status, error, tol.error, reason, stat=metrics)
     if metrics.nonfinite == "same":
         check = _warn(check, "NaN/Inf in the same statistics on both sides")
     return _tensor_notes(check, target, baseline)
+
+
+def _is_fill_stat(metrics: StatMetrics, baseline: Leaf, i: int) -> bool:
+    """Whether statistic ``i`` is the mask fill itself (scaled by the tensor's range as usual)."""
+    return baseline.stats[i] == metrics.fill
 
 
 def _stats_text(leaf: Leaf, names: list[str]) -> str:

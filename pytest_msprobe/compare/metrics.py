@@ -378,6 +378,9 @@ class StatMetrics:
     rel: tuple[float | None, float | None, float | None, float | None]
     scaled: tuple[float | None, float | None, float | None, float | None]
     nonfinite: str | None = None  # None, "same" or "different"
+    # a mask fill that is the tensor's Min (or Max) on both sides, dominating the other extreme (see
+    # :func:`stat_metrics`); None when there is none
+    fill: float | None = None
 
     @property
     def error(self) -> float | None:
@@ -399,11 +402,21 @@ def _same_nonfinite(x: float, y: float) -> bool:
 def stat_metrics(
     n: tuple[float | None, float | None, float | None, float | None],
     b: tuple[float | None, float | None, float | None, float | None],
+    dtype: str | None = None,
 ) -> StatMetrics:
-    """Compare (Max, Min, Mean, Norm) of the two sides; a statistic missing on either side is skipped."""
+    """Compare (Max, Min, Mean, Norm) of the two sides; a statistic missing on either side is skipped.
+
+    Max, Min and Mean are scaled by the tensor's largest magnitude, Norm by the larger Norm. **A mask fill**:
+    when the Min (or the Max) is the same on both sides (to 1e-6) and at least :data:`FILL_GAP` times the
+    other extreme of both sides (``masked_fill(mask, -1e4)`` on attention scores), it says nothing of the other
+    values, and scaling by it would hide a drift of theirs (a 1e-3 drift of scores near 3 is 3e-7 of -1e4): the
+    other extreme and the Mean are then scaled by the other extreme's magnitude (a bound on every other
+    value's, the Mean's difference being the mean of theirs), and ``fill`` holds the fill.
+    """
     nonfinite: str | None = None
     finite_range = [abs(v) for v in (n[0], n[1], b[0], b[1]) if v is not None and math.isfinite(v)]
     value_range = max(finite_range, default=0.0)
+    fill, rest_scale = _stat_fill(n, b, dtype)
     norms = [abs(v) for v in (n[3], b[3]) if v is not None and math.isfinite(v)]
     norm_scale = max(norms, default=0.0)
     diff: list[float | None] = []
@@ -431,10 +444,60 @@ def stat_metrics(
         diff.append(dv)
         rel.append(abs(dv) / abs(y) if y != 0 else None)
         scale = norm_scale if i == 3 else value_range
+        if fill is not None and i in rest_scale:
+            scale = rest_scale[i]
         scaled.append(abs(dv) / scale if scale > 0 else (0.0 if dv == 0 else math.inf))
     return StatMetrics(
         tuple(diff),  # type: ignore[arg-type]
         tuple(rel),  # type: ignore[arg-type]
         tuple(scaled),  # type: ignore[arg-type]
         nonfinite,
+        fill,
     )
+
+
+MASK_FILLS = (1e4, 1e9)  # the usual mask fills (with +-inf and the dtype's extreme)
+
+
+def is_mask_fill(value: float, other: float, dtype: str | None) -> bool:
+    """Whether ``value`` is a mask fill of a tensor of ``dtype`` whose other extreme is ``other``."""
+    size = abs(value)
+    if math.isinf(size):
+        return True
+    if math.isnan(size) or size < 64 * abs(other):  # it must dominate the tensor's other values
+        return False
+    name = (dtype or "").replace("torch.", "")
+    extremes = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
+    candidates = [*MASK_FILLS, extremes.get(name, 0.0), 1.7976931348623157e308]
+    if name == "bfloat16":  # -1e4 is -9984 there, -1e9 -999292928
+        candidates += [9984.0, 999292928.0]
+    return any(math.isclose(size, c, rel_tol=1e-3) for c in candidates)  # (scores plus a mask: -1e4 +- 10)
+
+
+def _stat_fill(
+    n: tuple[float | None, float | None, float | None, float | None],
+    b: tuple[float | None, float | None, float | None, float | None],
+    dtype: str | None,
+) -> tuple[float | None, dict[int, float]]:
+    """The mask fill of :func:`stat_metrics` (None when there is none) and the scale of each statistic it
+    leaves to the other values (index into (Max, Min, Mean, Norm)): a known fill value (:func:`is_mask_fill`)
+    the same on both sides, whose other extreme has the other sign (the other values lie between it and 0, so it
+    bounds their magnitude) on both sides."""
+    for at, other in ((1, 0), (0, 1)):  # a fill at the Min (the usual -1e4), else at the Max
+        f_n, f_b, o_n, o_b = n[at], b[at], n[other], b[other]
+        if f_n is None or f_b is None or o_n is None or o_b is None:
+            continue
+        if not all(math.isfinite(v) for v in (f_n, f_b, o_n, o_b)):
+            continue
+        size = max(abs(o_n), abs(o_b))
+        if (
+            size == 0.0
+            or not math.isclose(f_n, f_b, rel_tol=1e-6)
+            or f_b * o_n >= 0.0
+            or f_b * o_b >= 0.0
+            or not is_mask_fill(f_b, size, dtype)
+            or not is_mask_fill(f_n, size, dtype)
+        ):
+            continue
+        return f_b, {other: size, 2: size}
+    return None, {}

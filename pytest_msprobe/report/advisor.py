@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 
+from pytest_msprobe.compare.metrics import is_mask_fill
 from pytest_msprobe.compare.result import (
     ERROR,
     OUT_OF_LINE,
@@ -184,7 +185,7 @@ def fill_note(result: CompareResult, fd: Divergence) -> str | None:
         if row.role == OUTPUT or not is_tensor(t) or not is_tensor(b):
             continue
         for name, mine, theirs, other in (("Min", t.min, b.min, b.max), ("Max", t.max, b.max, b.min)):
-            if mine is None or theirs is None or other is None or not _is_fill(mine, other, b.dtype):
+            if mine is None or theirs is None or other is None or not is_mask_fill(mine, other, b.dtype):
                 continue
             if not (mine == theirs or math.isclose(mine, theirs, rel_tol=1e-6)):
                 continue
@@ -195,24 +196,6 @@ def fill_note(result: CompareResult, fd: Divergence) -> str | None:
                 "a dump with task='tensor' shows it."
             )
     return None
-
-
-_FILLS = (1e4, 1e9)  # the usual mask fills (with +-inf and the dtype's extreme)
-
-
-def _is_fill(value: float, other: float, dtype: str | None) -> bool:
-    """Whether ``value`` is a mask fill of a tensor of ``dtype`` whose other extreme is ``other``."""
-    size = abs(value)
-    if math.isinf(size):
-        return True
-    if math.isnan(size) or size < 64 * abs(other):  # it must dominate the tensor's other values
-        return False
-    name = (dtype or "").replace("torch.", "")
-    extremes = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38}
-    candidates = [*_FILLS, extremes.get(name, 0.0), 1.7976931348623157e308]
-    if name == "bfloat16":  # -1e4 is -9984 there, -1e9 -999292928
-        candidates += [9984.0, 999292928.0]
-    return any(math.isclose(size, c, rel_tol=1e-3) for c in candidates)  # (scores plus a mask: -1e4 +- 10)
 
 
 def _other_ranks(result: CompareResult, fd: Divergence) -> str | None:

@@ -204,6 +204,24 @@ def test_a_near_zero_mean_is_scaled_by_the_range_not_by_itself() -> None:
     assert m.error is not None and m.error < 1e-8
 
 
+def test_a_mask_fill_at_the_min_leaves_the_max_and_mean_to_the_other_values() -> None:
+    # attention scores masked with -1e4: a 0.4% drift of their Max is 1e-6 of the fill, and 0.4% of the Max
+    masked = stat_metrics((3.012, -1e4, -2500.0, 5000.0), (3.0, -1e4, -2500.001, 5000.0), "torch.float32")
+    assert masked.fill == -1e4
+    assert masked.scaled[0] == pytest.approx(0.012 / 3.012)
+    assert masked.scaled[2] == pytest.approx(0.001 / 3.012, rel=1e-3)
+    assert masked.scaled[1] == 0.0 and masked.scaled[3] == 0.0
+    # the fill must be the same on both sides, a known fill value, and of the other sign than the other extreme
+    moved = stat_metrics((3.012, -9000.0, -2500.0, 5000.0), (3.0, -1e4, -2500.0, 5000.0), "torch.float32")
+    assert moved.fill is None and moved.scaled[0] == pytest.approx(0.012 / 1e4)
+    outlier = stat_metrics((3.012, -700.0, 1.0, 800.0), (3.0, -700.0, 1.0, 800.0), "torch.float32")
+    assert outlier.fill is None
+    positive = stat_metrics((1e4, 0.1, 5.0, 1e4), (1e4, 0.1001, 5.0, 1e4), "torch.float32")  # Min is no fill
+    assert positive.fill is None and positive.scaled[1] == pytest.approx(1e-4 / 1e4)
+    half = stat_metrics((1.5, -65504.0, -3.0, 9e4), (1.5, -65504.0, -3.0, 9e4), "torch.float16")
+    assert half.fill == -65504.0  # the dtype's extreme
+
+
 def test_statistics_edge_cases() -> None:
     zeros = stat_metrics((0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 0.0))
     assert zeros.error == 0.0 and zeros.rel == (None, None, None, None)
