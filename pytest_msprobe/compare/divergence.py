@@ -17,7 +17,11 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
    only one side makes (an inserted or removed call, see :func:`pytest_msprobe.compare.explain.explain_structural`),
    the earliest such one-side call: the error enters with it. Not when rule 4 would find inputs of other
    shapes: then the dumps come from another model or data, which is more than a call added or removed.
-3. *grows*: if every breaching call already has breaching inputs (errors flow in everywhere: a later step after
+3. *inconsistent*: the earliest breaching call without own errors whose statistics break a relation that
+   its inputs' statistics fix, on the target, and keep on the baseline (a relu's Max is its input's, an add's
+   Mean the sum of its inputs', see :mod:`pytest_msprobe.compare.stat_relations`): a statistics dump's own
+   error, where no replay gives one. It comes before rule 1 when it is earlier, and applies whatever flowed in.
+3b. *grows*: otherwise, if every breaching call already has breaching inputs (errors flow in everywhere: a later step after
    an earlier fault moved the weights, a dump that starts mid-run), the earliest call whose output error is at
    least ``amplification`` (10) times its input error.
 4. *inherited*: otherwise the earliest breaching call; its inputs already differ, so the error entered before
@@ -37,6 +41,7 @@ from pytest_msprobe.compare.result import (
     ENTERS,
     ERROR,
     GROWS,
+    INCONSISTENT,
     INHERITED,
     OUT_OF_LINE,
     ROUNDING,
@@ -67,6 +72,7 @@ def first_divergence(
     own: Mapping[int, OwnVerdict] | None = None,
     self_check: bool = False,
     noise: Collection[int] = (),
+    relations: Mapping[int, str] | None = None,
 ) -> Divergence | None:
     """Where the error enters (see the module docstring). ``feeds[i]`` are the calls whose tensors call ``i``
     also reads (a backward call's forward call; a parameters_grad's module backward); the inputs of the
@@ -77,7 +83,8 @@ def first_divergence(
     ``own[i]`` is call ``i``'s own-error verdict, where it has one; an out-of-line call is a divergence of
     its own only with ``self_check`` (then it fails the compare), otherwise where something breaches.
     ``noise`` are the rows whose difference is too small to measure (every value within atol): as inputs they
-    do not match the baseline, they are unknown."""
+    do not match the baseline, they are unknown. ``relations[i]`` says how call ``i``'s statistics break a
+    relation on the target that they keep on the baseline."""
     own = own or {}
     calls = _Calls(apis, rows, feeds, opaque, peers or {}, frozenset(noise))
     compared = sorted((api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED)
@@ -91,10 +98,15 @@ def first_divergence(
         and (found is None or out_of_line[0] <= apis[found.api_index].order or found.api_index in own)
     ):
         return _out_of_line(calls, out_of_line[1], own[out_of_line[1]])
-    if found is not None:
+    inconsistent = _inconsistent(calls, breaching, relations or {}, own)
+    if found is not None and (
+        inconsistent is None or apis[found.api_index].order <= apis[inconsistent.api_index].order
+    ):
         return _rounding(calls, found, own)
-    fallback = _grows(calls, breaching, amplification)
-    if fallback is not None:
+    fallback = inconsistent
+    if fallback is None:
+        fallback = _grows(calls, breaching, amplification)
+    if fallback is not None and fallback.rule == GROWS:
         fallback = _rounding(calls, fallback, own)
     if fallback is None:
         fallback = _inherited(
@@ -187,6 +199,16 @@ def _enters(calls: _Calls, breaching: list[int]) -> Divergence | None:
                 f"the baseline: the error enters here"
             )
         return calls.at(i, ENTERS, why, row)
+    return None
+
+
+def _inconsistent(
+    calls: _Calls, breaching: list[int], relations: Mapping[int, str], own: Mapping[int, OwnVerdict]
+) -> Divergence | None:
+    for i in breaching:
+        if i in relations and i not in own:
+            why = f"{relations[i]}: the error enters here, whatever flowed into it"
+            return calls.at(i, INCONSISTENT, why)
     return None
 
 

@@ -35,10 +35,13 @@ UNUSABLE = "unusable"  # a side's statistics cannot be compared (NaN or null in 
 OUT_OF_LINE = "out of line"  # the earliest call whose own error (against its float64 replay) is out of line
 ENTERS = "enters"  # the earliest call whose outputs breach while its inputs match
 STRUCTURAL = "structural"  # a call only one side makes, after which the numbers differ
+INCONSISTENT = (
+    "inconsistent"  # errors flow in everywhere: the earliest call whose statistics break a relation
+)
 GROWS = "grows"  # errors flow in everywhere: the earliest call that amplifies its input error
 INHERITED = "inherited"  # the earliest breaching call: its inputs already differ
 ROUNDING = "rounding"  # no call is out of line: the difference builds up from rounding
-RULES = (OUT_OF_LINE, ENTERS, STRUCTURAL, GROWS, INHERITED, ROUNDING)
+RULES = (OUT_OF_LINE, ENTERS, STRUCTURAL, INCONSISTENT, GROWS, INHERITED, ROUNDING)
 
 
 def worst(statuses: Any) -> str:

@@ -31,6 +31,7 @@ from pytest_msprobe.compare.result import (
     RowResult,
     is_tensor,
 )
+from pytest_msprobe.compare.stat_relations import broken
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import ConfigError, DumpFormatError
 from pytest_msprobe.format.layout import DumpLocation, discover
@@ -120,6 +121,7 @@ def compare(
         own,
         self_check,
         noise_rows(rows, thresholds),
+        relation_breaks(apis, rows),
     )
     stacks: dict[str, tuple[str, ...]] = {}
     if stack:
@@ -166,6 +168,25 @@ def noise_rows(rows: Sequence[RowResult], thresholds: Thresholds) -> frozenset[i
         if len(values) == 4 and tol.error > 0 and max(values) * tol.error <= tol.atol:
             found.append(i)
     return frozenset(found)
+
+
+def relation_breaks(apis: Sequence[ApiResult], rows: Sequence[RowResult]) -> dict[int, str]:
+    """The breaching forward calls whose statistics break on the target a relation their inputs' statistics fix
+    (see :mod:`pytest_msprobe.compare.stat_relations`) and keep on the baseline: call index -> how."""
+    found = {}
+    for i, api in enumerate(apis):
+        if api.direction != FORWARD or not api.output_breach:
+            continue
+        mine = [r.target for j in api.rows if (r := rows[j]).target is not None and r.baseline is not None]
+        theirs = [
+            r.baseline for j in api.rows if (r := rows[j]).target is not None and r.baseline is not None
+        ]
+        outputs = [leaf for leaf in theirs if leaf is not None and leaf.role == "output"]
+        dtype = outputs[0].dtype if outputs else None
+        hit = broken(api.api, [x for x in mine if x is not None], [x for x in theirs if x is not None], dtype)
+        if hit is not None:
+            found[i] = hit.reason
+    return found
 
 
 FIRST_UNMATCHED = 5  # unmatched baseline calls a coverage failure names

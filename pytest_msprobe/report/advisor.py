@@ -11,6 +11,7 @@ import re
 from pytest_msprobe.compare.metrics import is_mask_fill
 from pytest_msprobe.compare.result import (
     ERROR,
+    INCONSISTENT,
     OUT_OF_LINE,
     OUTPUT,
     ROUNDING,
@@ -112,6 +113,16 @@ def advice(result: CompareResult, fd: Divergence) -> str:
             "both sides (an extra or missing operation, a fused kernel replacing several calls, a changed "
             "forward). Calls that only one side makes cannot be compared, so remove the difference or dump "
             "both sides from the same code."
+        )
+    elif fd.rule == INCONSISTENT:
+        text.append(
+            f"{api.api} is not what its own inputs make it: {fd.reason.rsplit(': the error enters', 1)[0]}. "
+            "Errors that flowed in cannot explain a broken relation: this is the call to fix."
+        )
+        text.append(
+            "Check this API on the target device: its kernel, the dtype it computes in, a fused, replaced or "
+            "patched implementation. A dump with task='tensor' measures its own error against a float64 replay "
+            "of its inputs."
         )
     elif fd.rule == "grows":
         text.append(f"Errors already flow into every call, but {api.api} amplifies them: {fd.reason}.")

@@ -12,7 +12,7 @@ Variants, active while the steps run:
   scores plus a 0 / fill mask);
 - ``order="vkq"``: the attention's projections computed in another order (the same numbers).
 
-A fault changes the output in place under ``no_grad``, so the op keeps its own autograd node (and its
+A fault changes the output in place through ``.data``, so the op keeps its own autograd node (and its
 backward record); calls made inside a recorded call are not recorded.
 """
 
@@ -275,8 +275,7 @@ def perturb(api: str, call: int, rel: float) -> Iterator[_Patch]:
         out = orig(*args, **kwargs)
         if patch.calls == call:
             noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-            with torch.no_grad():
-                out.mul_(1 + rel * noise)
+            out.data.mul_(1 + rel * noise)  # (.data: a relu's or softmax's backward reads its output)
         patch.calls += 1
         return out
 
