@@ -83,22 +83,22 @@ def test_a_whole_dump_root_finds_the_divergence_in_its_first_step(version: str) 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_step_1_alone_errors_flow_in_everywhere(version: str) -> None:
-    """After step 0's fault moved the weights, every call's inputs differ at step 1. No call's output error
-    is 10x its input error (the largest ratio is 8x, at Functional.conv2d.3.backward), so the first
-    divergence is the first breaching call, with the note that its inputs (the weight) already differ."""
+    """After step 0's fault moved the weights, every call's inputs differ at step 1, and no call's output
+    error is 10x its input error (the largest ratio is 8x, at Functional.conv2d.3.backward). The faulty relu is
+    still named: its statistics break a relation they keep whatever its inputs (rule "inconsistent")."""
     npu, bench = dump_dir(version, "npu", "stat_L1", 1), dump_dir(version, "bench", "stat_L1", 1)
     result = compare(npu, bench)
     fd = result.first_divergence
     assert fd is not None and not result.passed
-    assert (fd.api, fd.rule, fd.step) == ("Functional.conv2d.0.forward", "inherited", 1)
-    assert fd.row == "Functional.conv2d.0.forward.input.1"  # the weight, moved by step 0's update
-    assert "Functional.conv2d.0.forward.input.1" in fd.reason and "before this dump" in fd.reason
-    # with a lower amplification the rule places it where the error grows most steeply
+    assert (fd.api, fd.rule, fd.step) == ("Functional.relu.2.forward", "inconsistent", 1)
+    assert result.apis[fd.api_index].input_breach  # (errors flow into it)
+    assert "(Max = relu(input's Max))" in fd.reason or "(Min = relu(input's Min))" in fd.reason
+    # the relation comes before the amplification rule, whatever its ratio
     relaxed = compare(npu, bench, thresholds=Thresholds(amplification=5))
     assert relaxed.first_divergence is not None
     assert (relaxed.first_divergence.api, relaxed.first_divergence.rule) == (
-        "Functional.conv2d.3.backward",
-        "grows",
+        "Functional.relu.2.forward",
+        "inconsistent",
     )
 
 
