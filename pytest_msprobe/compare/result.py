@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeGuard
 
 from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetrics
+from pytest_msprobe.compare.metrics import is_mask_fill as is_mask_fill  # (for the reports)
 from pytest_msprobe.compare.rank_order import collective_op
 from pytest_msprobe.compare.records import NONE, OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.thresholds import Thresholds, format_share

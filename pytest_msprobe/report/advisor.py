@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import re
 
-from pytest_msprobe.compare.metrics import is_mask_fill
 from pytest_msprobe.compare.result import (
     ERROR,
     INCONSISTENT,
@@ -20,6 +19,7 @@ from pytest_msprobe.compare.result import (
     CompareResult,
     Divergence,
     collective,
+    is_mask_fill,
     is_tensor,
     shape_differs,
     unmatched_share,
