@@ -1,8 +1,8 @@
 """Differences that are not of precision, forgiven in the rows of one dump pair before the calls are judged.
 
-Two cases, recognised by the records alone: an input that one side recorded after an in-place op updated it
-(:func:`explain_in_place`), and inputs that are the outputs of a call only one side makes
-(:func:`explain_structural`).
+Three cases, recognised by the records alone: an input that one side recorded after an in-place op updated it
+(:func:`explain_in_place`), inputs that are the outputs of a call only one side makes
+(:func:`explain_structural`), and a weight updated from rounding noise (:func:`explain_noise_updates`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.judge import Check, amend, check_statistics
 from pytest_msprobe.compare.records import OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.result import ERROR, PASS, WARNING
+from pytest_msprobe.compare.thresholds import Thresholds
+from pytest_msprobe.format.names import FORWARD
 
 
 def explain_in_place(builder: Builder) -> None:
@@ -119,3 +121,95 @@ def _same_record(x: Leaf, y: Leaf) -> bool:
 
 def _fingerprint(leaf: Leaf) -> tuple[Any, ...]:
     return (leaf.shape, leaf.dtype, leaf.stats)
+
+
+def below_measure(
+    target: Leaf | None, baseline: Leaf | None, error: float | None, thresholds: Thresholds
+) -> bool:
+    """Whether two tensors differ by no more than their dtype's ``atol`` (so the difference counts as none) while
+    their values are so small that such a difference is beyond the tolerance relative to them: not measured, they
+    cannot be shown to match either (Adam's moments of a gradient that is rounding noise)."""
+    if target is None or baseline is None or target.kind != TENSOR or baseline.kind != TENSOR:
+        return False
+    if target.stats == baseline.stats or error != 0.0:
+        return False
+    values = [abs(v) for v in (target.max, target.min, baseline.max, baseline.min) if v is not None]
+    tol = thresholds.for_dtype(baseline.dtype)
+    return len(values) == 4 and tol.error > 0 and max(values) * tol.error <= tol.atol
+
+
+def explain_noise_updates(builder: Builder) -> None:
+    """Forgive the drift of a weight that an optimizer updates from rounding noise.
+
+    A gradient that is zero in exact arithmetic (an attention key's bias, which the softmax ignores) is rounding
+    noise, below measure on both sides, and so are Adam's moments of it; but the update divides one by the root of
+    the other (``param.addcdiv_(m, sqrt(v) + eps, value=-lr)``), which makes of that noise a step of up to the
+    learning rate, another on each device. The weight then differs by what no precision of either device decides.
+    An in-place call of a tensor method (its name ends in ``_``) with an input below measure (see
+    :func:`below_measure`) and no other input that differs measurably is such an update: its failing rows, and
+    those of every record of the weight it updates in this dump pair (the same tensor record on both sides:
+    its forward uses, the in-place calls before the update), are warnings that say so.
+    """
+    thresholds = builder.thresholds
+    weights: dict[
+        tuple[Any, Any], str
+    ] = {}  # (target record, baseline record) of a weight -> the update's name
+    for api in builder.apis:
+        if not _in_place(api) or not api.api.startswith("Tensor."):
+            continue
+        drafts = builder.drafts[api.row_start : api.row_stop]
+        self_rows = [d for d in drafts if d.role != OUTPUT and d.row.endswith(".input.0")]
+        others = [d for d in drafts if d.role != OUTPUT and not d.row.endswith(".input.0")]
+        noise = [
+            d
+            for d in others
+            if d.check is not None and below_measure(d.target, d.baseline, d.check.error, thresholds)
+        ]
+        measured = [
+            d for d in others if d not in noise and d.check is not None and d.check.status in (ERROR, WARNING)
+        ]
+        if not noise or measured or len(self_rows) != 1:
+            continue
+        weight = self_rows[0]
+        outputs = [d for d in drafts if d.role == OUTPUT]
+        for d in (weight, *outputs):
+            if d.target is not None and d.baseline is not None and d.target.kind == TENSOR:
+                weights[(_fingerprint(d.target), _fingerprint(d.baseline))] = api.api
+    if not weights:
+        return
+    # the in-place calls before an update (AdamW's weight decay) make the record it updates: their inputs too
+    for api in reversed(builder.apis):
+        if not _in_place(api):
+            continue
+        drafts = builder.drafts[api.row_start : api.row_stop]
+        outs = [weights.get(_pair(d)) for d in drafts if d.role == OUTPUT]
+        update = next((u for u in outs if u is not None), None)
+        if update is not None:
+            for d in drafts:
+                if d.role != OUTPUT and d.row.endswith(".input.0") and _pair(d)[0] is not None:
+                    weights.setdefault(_pair(d), update)
+    for d in builder.drafts:
+        check = d.check
+        if check is None or check.status != ERROR or d.target is None or d.baseline is None:
+            continue
+        if d.target.kind != TENSOR:
+            continue
+        update = weights.get(_pair(d))
+        if update is not None:
+            note = (
+                f"a weight {update} updates from rounding noise (inputs below measure, divided one by another): "
+                "its difference is that noise's, not a precision problem of either device"
+            )
+            d.check = amend(check, note, WARNING)
+
+
+def _in_place(api: Any) -> bool:
+    """Whether a call (of both sides) is the forward of an in-place method (``add_``, not ``__iadd__``)."""
+    base = api.base
+    return not api.one_side and api.direction == FORWARD and base.endswith("_") and not base.endswith("__")
+
+
+def _pair(d: Any) -> tuple[Any, Any]:
+    if d.target is None or d.baseline is None or d.target.kind != TENSOR or d.baseline.kind != TENSOR:
+        return (None, None)
+    return (_fingerprint(d.target), _fingerprint(d.baseline))

@@ -17,7 +17,12 @@ from typing import Any
 from pytest_msprobe.compare.align import align
 from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.divergence import first_divergence
-from pytest_msprobe.compare.explain import explain_in_place, explain_structural
+from pytest_msprobe.compare.explain import (
+    below_measure,
+    explain_in_place,
+    explain_noise_updates,
+    explain_structural,
+)
 from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
 from pytest_msprobe.compare.records import read_dump, read_stack
@@ -29,7 +34,6 @@ from pytest_msprobe.compare.result import (
     DumpPair,
     PairCoverage,
     RowResult,
-    is_tensor,
 )
 from pytest_msprobe.compare.stat_relations import broken
 from pytest_msprobe.compare.thresholds import Thresholds
@@ -153,29 +157,20 @@ def compare(
 
 
 def noise_rows(rows: Sequence[RowResult], thresholds: Thresholds) -> frozenset[int]:
-    """The rows whose two tensors differ by no more than the dtype's ``atol`` (so the difference counts as
-    none) while their values are so small that such a difference is beyond the tolerance relative to them: not
-    measured, they cannot be shown to match either. Adam's second moment of a gradient that is rounding noise
-    (1e-22) is one: its square root differs by half its size."""
-    found = []
-    for i, row in enumerate(rows):
-        t, b = row.target, row.baseline
-        if not is_tensor(t) or not is_tensor(b) or t.stats == b.stats or row.error != 0.0:
-            continue
-        values = [abs(v) for v in (t.max, t.min, b.max, b.min) if v is not None]
-        tol = thresholds.for_dtype(b.dtype)
-        # values so small that a difference within atol is beyond the tolerance relative to them
-        if len(values) == 4 and tol.error > 0 and max(values) * tol.error <= tol.atol:
-            found.append(i)
-    return frozenset(found)
+    """The rows whose two tensors are below measure (see :func:`pytest_msprobe.compare.explain.below_measure`):
+    Adam's second moment of a gradient that is rounding noise (1e-22) is one: its square root differs by half its
+    size."""
+    return frozenset(
+        i for i, row in enumerate(rows) if below_measure(row.target, row.baseline, row.error, thresholds)
+    )
 
 
 def relation_breaks(apis: Sequence[ApiResult], rows: Sequence[RowResult]) -> dict[int, str]:
-    """The breaching forward calls whose statistics break on the target a relation their inputs' statistics fix
+    """The breaching calls whose statistics break on the target a relation their inputs' statistics fix
     (see :mod:`pytest_msprobe.compare.stat_relations`) and keep on the baseline: call index -> how."""
     found = {}
     for i, api in enumerate(apis):
-        if api.direction != FORWARD or not api.output_breach:
+        if not api.output_breach:
             continue
         mine = [r.target for j in api.rows if (r := rows[j]).target is not None and r.baseline is not None]
         theirs = [
@@ -273,6 +268,7 @@ def _compare_pair(task: PairTask) -> Builder | Unusable:
         return (exc.path, exc.problem)
     explain_in_place(builder)
     explain_structural(builder)
+    explain_noise_updates(builder)
     return builder
 
 
