@@ -19,6 +19,9 @@ lerp with a number weight w                        Mean = Mean(a) + w (Mean(b) -
 softmax                                            Mean = 1 / size of dim; Max <= 1, Min >= 0
 max_pool*, avg_pool*, adaptive pools               the output within the input's range (and 0, for averages);
                                                    an adaptive average to one value per channel keeps the Mean
+backward of view, reshape, transpose ... (above)   the gradient passed on has the incoming one's statistics
+backward of relu, relu6, hardtanh, threshold       the gradient passed on within the incoming one's range (and
+                                                   0), its Norm at most the incoming one's
 =================================================  ===============================================================
 
 (In-place variants too: a dump records a call's inputs before it runs.) A relation's **residual** is the
@@ -42,7 +45,7 @@ from pytest_msprobe.compare.records import OUTPUT, TENSOR, VALUE, Leaf
 FLOOR = 1e-5  # a residual below this is rounding (a float32 Mean summed in float32 is good to ~1e-6)
 BASELINE_FACTOR = 10.0  # the target's residual must be this many times the baseline's
 
-_NAME = re.compile(r"^(?:Functional|Torch|Tensor|NPU|Aten|VF)\.(\w+?)\.\d+\.forward$")
+_NAME = re.compile(r"^(?:Functional|Torch|Tensor|NPU|Aten|VF)\.(\w+?)\.\d+\.(forward|backward)$")
 _EPS = {"float64": 2.2e-16, "float32": 1.2e-7, "float16": 9.8e-4, "bfloat16": 7.8e-3}
 
 _IDENTITY = {
@@ -125,6 +128,8 @@ def residuals(api: str, leaves: Sequence[Leaf]) -> list[Residual]:
     if len(outs) != 1 or not _full(outs[0]):
         return []
     try:
+        if m.group(2) == "backward":
+            return _backward_relations(op, args, outs[0])
         return _relations(op, args, outs[0])
     except (ArithmeticError, ValueError, TypeError):  # (a hostile dump's numbers: no relation to check)
         return []
@@ -221,6 +226,34 @@ def _relations(op: str, args: dict[str, Leaf], out: Leaf) -> list[Residual]:
         if pool.group(1) and average and one_each:
             found.append(Residual("Mean = input's Mean (one average per channel)", omean, amean, span))
         return found
+    return []
+
+
+def _backward_relations(op: str, args: dict[str, Leaf], out: Leaf) -> list[Residual]:
+    """A backward record's: its input is the gradient flowing in, its output the gradient it passes on."""
+    g = args.get("0")
+    if not _full(g) or len(args) != 1:
+        return []
+    assert g is not None
+    gmax, gmin, gmean, gnorm = (float(x) for x in g.stats)  # type: ignore[arg-type]
+    omax, omin, omean, onorm = (float(x) for x in out.stats)  # type: ignore[arg-type]
+    span = max(abs(gmax), abs(gmin), abs(omax), abs(omin))
+    if op in _IDENTITY and g.dtype == out.dtype and g.shape is not None and out.shape is not None:
+        if math.prod(g.shape) != math.prod(out.shape):
+            return []
+        return [
+            Residual("Max = incoming gradient's Max", omax, gmax, span),
+            Residual("Min = incoming gradient's Min", omin, gmin, span),
+            Residual("Mean = incoming gradient's Mean", omean, gmean, span),
+            Residual("Norm = incoming gradient's Norm", onorm, gnorm, max(onorm, gnorm)),
+        ]
+    if op in ("relu", "relu6", "threshold", "hardtanh") and g.shape == out.shape:
+        # the gradient passed on is the one flowing in where the input passed, else 0
+        return [
+            Residual("Max <= incoming gradient's Max (or 0)", omax, max(gmax, 0.0), span),
+            Residual("Min >= incoming gradient's Min (or 0)", omin, min(gmin, 0.0), span),
+            Residual("Norm <= incoming gradient's Norm", onorm, gnorm, max(onorm, gnorm)),
+        ]
     return []
 
 
