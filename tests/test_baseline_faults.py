@@ -266,11 +266,19 @@ _READER = textwrap.dedent(
 
     store = BaselineStore(Path(sys.argv[1]) / "baselines")
     reads, versions = 0, set()
-    deadline = time.monotonic() + 60
-    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+
+    def read():
+        global reads
         with store.reading(os.environ["NODEID"]) as folder:
             versions.add(_version_of(folder))
         reads += 1
+
+    read()  # the baseline before any writer: then the writers may start
+    Path(sys.argv[3]).touch()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        read()
+    read()  # and the one the writers left
     print(json.dumps({"reads": reads, "versions": sorted(versions)}))
     """
 )
@@ -287,13 +295,20 @@ def test_concurrent_regens_never_interleave_and_a_reader_always_sees_one_whole_b
     done = tmp_path / "writers-done"
     env = {**os.environ, "NODEID": NODEID, "TESTS": str(Path(__file__).parent)}
     env["PYTHONPATH"] = str(ROOT_OF_PROJECT)
+    ready = tmp_path / "reader-ready"
     reader = subprocess.Popen(
-        [sys.executable, str(tmp_path / "reader.py"), str(tmp_path), str(done)],
+        [sys.executable, str(tmp_path / "reader.py"), str(tmp_path), str(done), str(ready)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    deadline = time.monotonic() + 120  # (its imports take seconds on a loaded machine)
+    while not ready.exists():
+        assert reader.poll() is None and time.monotonic() < deadline, (
+            reader.stderr.read() if reader.stderr else ""
+        )
+        time.sleep(0.02)
     writers = [_child(tmp_path, *[n for n in names if n.startswith(w)]) for w in ("w1", "w2")]
     outputs = [w.communicate(timeout=120) for w in writers]
     done.touch()
