@@ -151,9 +151,9 @@ def explain_noise_updates(builder: Builder) -> None:
     its forward uses, the in-place calls before the update), are warnings that say so.
     """
     thresholds = builder.thresholds
-    weights: dict[
-        tuple[Any, Any], str
-    ] = {}  # (target record, baseline record) of a weight -> the update's name
+    # the records (target, baseline) of a weight updated from noise -> the update's name (None, the key of a
+    # row that holds no tensor, is looked up, never stored)
+    weights: dict[tuple[Any, Any] | None, str] = {}
     for api in builder.apis:
         if not _in_place(api) or not api.api.startswith("Tensor."):
             continue
@@ -170,11 +170,10 @@ def explain_noise_updates(builder: Builder) -> None:
         ]
         if not noise or measured or len(self_rows) != 1:
             continue
-        weight = self_rows[0]
-        outputs = [d for d in drafts if d.role == OUTPUT]
-        for d in (weight, *outputs):
-            if d.target is not None and d.baseline is not None and d.target.kind == TENSOR:
-                weights[(_fingerprint(d.target), _fingerprint(d.baseline))] = api.api
+        for d in (self_rows[0], *(d for d in drafts if d.role == OUTPUT)):
+            key = _records(d)
+            if key is not None:
+                weights[key] = api.api
     if not weights:
         return
     # the in-place calls before an update (AdamW's weight decay) make the record it updates: their inputs too
@@ -182,20 +181,18 @@ def explain_noise_updates(builder: Builder) -> None:
         if not _in_place(api):
             continue
         drafts = builder.drafts[api.row_start : api.row_stop]
-        outs = [weights.get(_pair(d)) for d in drafts if d.role == OUTPUT]
-        update = next((u for u in outs if u is not None), None)
+        update = next(
+            (u for d in drafts if d.role == OUTPUT if (u := weights.get(_records(d))) is not None), None
+        )
         if update is not None:
             for d in drafts:
-                if d.role != OUTPUT and d.row.endswith(".input.0") and _pair(d)[0] is not None:
-                    weights.setdefault(_pair(d), update)
+                key = _records(d)
+                if d.role != OUTPUT and d.row.endswith(".input.0") and key is not None:
+                    weights.setdefault(key, update)
     for d in builder.drafts:
         check = d.check
-        if check is None or check.status != ERROR or d.target is None or d.baseline is None:
-            continue
-        if d.target.kind != TENSOR:
-            continue
-        update = weights.get(_pair(d))
-        if update is not None:
+        update = weights.get(_records(d))
+        if check is not None and check.status == ERROR and update is not None:
             note = (
                 f"a weight {update} updates from rounding noise (inputs below measure, divided one by another): "
                 "its difference is that noise's, not a precision problem of either device"
@@ -209,7 +206,8 @@ def _in_place(api: Any) -> bool:
     return not api.one_side and api.direction == FORWARD and base.endswith("_") and not base.endswith("__")
 
 
-def _pair(d: Any) -> tuple[Any, Any]:
+def _records(d: Any) -> tuple[Any, Any] | None:
+    """A tensor row's records (target, baseline), by which a tensor is recognised within a dump pair."""
     if d.target is None or d.baseline is None or d.target.kind != TENSOR or d.baseline.kind != TENSOR:
-        return (None, None)
+        return None
     return (_fingerprint(d.target), _fingerprint(d.baseline))

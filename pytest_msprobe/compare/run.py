@@ -25,7 +25,7 @@ from pytest_msprobe.compare.explain import (
 )
 from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
-from pytest_msprobe.compare.records import read_dump, read_stack
+from pytest_msprobe.compare.records import OUTPUT, read_dump, read_stack
 from pytest_msprobe.compare.result import (
     UNMATCHED,
     ApiResult,
@@ -172,13 +172,15 @@ def relation_breaks(apis: Sequence[ApiResult], rows: Sequence[RowResult]) -> dic
     for i, api in enumerate(apis):
         if not api.output_breach:
             continue
-        mine = [r.target for j in api.rows if (r := rows[j]).target is not None and r.baseline is not None]
-        theirs = [
-            r.baseline for j in api.rows if (r := rows[j]).target is not None and r.baseline is not None
+        pairs = [
+            (r.target, r.baseline)
+            for j in api.rows
+            if (r := rows[j]).target is not None and r.baseline is not None
         ]
-        outputs = [leaf for leaf in theirs if leaf is not None and leaf.role == "output"]
-        dtype = outputs[0].dtype if outputs else None
-        hit = broken(api.api, [x for x in mine if x is not None], [x for x in theirs if x is not None], dtype)
+        mine = [t for t, _ in pairs if t is not None]
+        theirs = [b for _, b in pairs if b is not None]
+        dtype = next((leaf.dtype for leaf in theirs if leaf.role == OUTPUT), None)
+        hit = broken(api.api, mine, theirs, dtype)
         if hit is not None:
             found[i] = hit.reason
     return found

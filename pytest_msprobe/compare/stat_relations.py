@@ -312,9 +312,12 @@ def _arithmetic(op: str, args: dict[str, Leaf], a: Leaf, out: Leaf, span: float)
 class Broken:
     """A relation a call breaks on the target and keeps on the baseline."""
 
-    relation: str
     target: Residual
     baseline: Residual
+
+    @property
+    def relation(self) -> str:
+        return self.target.relation
 
     @property
     def reason(self) -> str:
@@ -333,15 +336,12 @@ def _g(x: float) -> str:
 
 def broken(api: str, target: Sequence[Leaf], baseline: Sequence[Leaf], dtype: str | None) -> Broken | None:
     """The relation call ``api`` breaks most on the target (see the module docstring), or None."""
-    t_res = {r.relation.split(" ", 1)[0] + str(i): r for i, r in enumerate(residuals(api, target))}
-    b_res = {r.relation.split(" ", 1)[0] + str(i): r for i, r in enumerate(residuals(api, baseline))}
     limit = floor(dtype)
     worst: Broken | None = None
-    for key, t in t_res.items():
-        b = b_res.get(key)
-        if b is None or t.relation.split(" ", 1)[0] != b.relation.split(" ", 1)[0]:
+    for t, b in zip(residuals(api, target), residuals(api, baseline)):
+        if t.relation.split(" ", 1)[0] != b.relation.split(" ", 1)[0]:  # (another relation: no pair)
             continue
         off = t.scaled > limit and t.scaled > BASELINE_FACTOR * b.scaled
         if off and (worst is None or t.scaled > worst.target.scaled):
-            worst = Broken(t.relation, t, b)
+            worst = Broken(t, b)
     return worst
