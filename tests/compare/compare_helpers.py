@@ -6,17 +6,39 @@ to the output of the third ``F.relu`` call (``Functional.relu.2.forward``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "msprobe"
 VERSIONS = ("8.3.3", "26.2.0")
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """``seed_all(seed, mode=True)`` for the block, its process-wide switches put back after it for the tests
+    that follow (deterministic algorithms, PYTHONHASHSEED)."""
+    import torch
+
+    from pytest_msprobe import seed_all
+
+    deterministic, hashseed = torch.are_deterministic_algorithms_enabled(), os.environ.get("PYTHONHASHSEED")
+    try:
+        seed_all(seed, mode=True)
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        if hashseed is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = hashseed
 
 
 def dump_dir(version: str, side: str, kind: str, step: int | None = None) -> Path:

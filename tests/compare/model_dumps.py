@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from compare_helpers import seeded
 
 
 def dump_model(
@@ -45,11 +46,9 @@ def dump_model(
     import torch
     import torch.nn.functional as F
 
-    from pytest_msprobe import PrecisionDebugger, seed_all
+    from pytest_msprobe import PrecisionDebugger
 
-    deterministic, hashseed = torch.are_deterministic_algorithms_enabled(), os.environ.get("PYTHONHASHSEED")
-    try:
-        seed_all(seed, mode=True)
+    with seeded(seed):
         net = _transformer(width, layers, fill, mask) if model == "transformer" else _cnn(width)
         for module in net.modules():
             if hasattr(module, "order"):
@@ -80,12 +79,6 @@ def dump_model(
                 opt.step()
                 dbg.stop()
                 dbg.step()
-    finally:  # seed_all's process-wide switches, put back for the tests that follow
-        torch.use_deterministic_algorithms(deterministic)
-        if hashseed is None:
-            os.environ.pop("PYTHONHASHSEED", None)
-        else:
-            os.environ["PYTHONHASHSEED"] = hashseed
     return path
 
 
@@ -263,71 +256,56 @@ def _float64_grads(node: Any) -> Callable[[Any, Any], Any]:
 
 
 @contextlib.contextmanager
-def perturb(api: str, call: int, rel: float) -> Iterator[_Patch]:
-    """The output of the ``call``-th ``F.<api>`` call (0-based) of each step times (1 + rel * N(0, 1))."""
-    import torch
-    import torch.nn.functional as F
-
+def _on_call(owner: Any, name: str, call: int, edit: Callable[..., None]) -> Iterator[_Patch]:
+    """``owner.name`` replaced so that ``edit(out, *args)`` changes the output of its ``call``-th call (0-based)
+    of each step, in place (the op keeps its own autograd node)."""
     patch = _Patch()
     orig: Any = None
 
     def faulty(*args: Any, **kwargs: Any) -> Any:
         out = orig(*args, **kwargs)
         if patch.calls == call:
-            noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
-            out.data.mul_(1 + rel * noise)  # (.data: a relu's or softmax's backward reads its output)
+            edit(out, *args)
         patch.calls += 1
         return out
 
-    orig = patch.replace(F, api, faulty)
+    orig = patch.replace(owner, name, faulty)
     try:
         yield patch
     finally:
         patch.restore()
 
 
-@contextlib.contextmanager
-def drift_under_mask(call: int, drift: float) -> Iterator[_Patch]:
+def perturb(api: str, call: int, rel: float) -> contextlib.AbstractContextManager[_Patch]:
+    """The output of the ``call``-th ``F.<api>`` call (0-based) of each step times (1 + rel * N(0, 1))."""
+    import torch
+    import torch.nn.functional as F
+
+    def edit(out: Any, *_: Any) -> None:
+        noise = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        out.data.mul_(1 + rel * noise)  # (.data: a relu's or softmax's backward reads its output)
+
+    return _on_call(F, api, call, edit)
+
+
+def drift_under_mask(call: int, drift: float) -> contextlib.AbstractContextManager[_Patch]:
     """The values the ``call``-th ``masked_fill`` of each step leaves unmasked, times (1 + drift)."""
     import torch
 
-    patch = _Patch()
-    orig: Any = None
+    def edit(out: Any, _self: Any, mask: Any, *_: Any) -> None:
+        with torch.no_grad():
+            out.copy_(torch.where(mask, out, out * (1 + drift)))
 
-    def faulty(self: Any, mask: Any, value: Any) -> Any:
-        out = orig(self, mask, value)
-        if patch.calls == call:
-            with torch.no_grad():
-                out.copy_(torch.where(mask, out, out * (1 + drift)))
-        patch.calls += 1
-        return out
-
-    orig = patch.replace(torch.Tensor, "masked_fill", faulty)
-    try:
-        yield patch
-    finally:
-        patch.restore()
+    return _on_call(torch.Tensor, "masked_fill", call, edit)
 
 
-@contextlib.contextmanager
-def drift_under_added_mask(call: int, drift: float) -> Iterator[_Patch]:
+def drift_under_added_mask(call: int, drift: float) -> contextlib.AbstractContextManager[_Patch]:
     """The values the ``call``-th ``Tensor.__add__`` of each step leaves unmasked (where its other operand, the
     mask, is 0), times (1 + drift)."""
     import torch
 
-    patch = _Patch()
-    orig: Any = None
+    def edit(out: Any, _self: Any, other: Any) -> None:
+        with torch.no_grad():
+            out.copy_(torch.where(other == 0, out * (1 + drift), out))
 
-    def faulty(self: Any, other: Any) -> Any:
-        out = orig(self, other)
-        if patch.calls == call:
-            with torch.no_grad():
-                out.copy_(torch.where(other == 0, out * (1 + drift), out))
-        patch.calls += 1
-        return out
-
-    orig = patch.replace(torch.Tensor, "__add__", faulty)
-    try:
-        yield patch
-    finally:
-        patch.restore()
+    return _on_call(torch.Tensor, "__add__", call, edit)

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from model_dumps import dump_model, float64_matmul, perturb
+from model_dumps import float64_matmul, perturb
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.result import ERROR, PASS, WARNING
@@ -21,19 +21,6 @@ from pytest_msprobe.compare.result import ERROR, PASS, WARNING
 # (4e-4 of the weight's range) between float32 and float64 matmuls; the weight and what it feeds differ from
 # then on (before, Tensor.addcdiv_.25.forward breached at step 0 and that weight's rows at steps 1 and 2)
 TRANSFORMER = {"width": 64, "layers": 3, "seed": 2}
-
-
-@pytest.fixture(scope="module")
-def dumps(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    root = tmp_path_factory.mktemp("float64")
-    made: dict[str, Path] = {}
-
-    def get(name: str, **options: Any) -> Path:
-        if name not in made:
-            made[name] = dump_model(root / name, **options)
-        return made[name]
-
-    return get
 
 
 def test_float64_matmul_passes_every_step_of_a_transformer(dumps: Callable[..., Path]) -> None:

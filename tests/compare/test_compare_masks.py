@@ -11,26 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from model_dumps import drift_under_added_mask, drift_under_mask, dump_model, float64_matmul  # noqa: E402
+from model_dumps import drift_under_added_mask, drift_under_mask, float64_matmul  # noqa: E402
 
 from pytest_msprobe.compare import compare  # noqa: E402
 from pytest_msprobe.report.advisor import advisor_text  # noqa: E402
 
 FILLS = [-1e4, -1e9, float(torch.finfo(torch.float32).min)]
-
-
-@pytest.fixture(scope="module")
-def dumps(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """``dumps(name, **dump_model options)``: a dump made once per module."""
-    root = tmp_path_factory.mktemp("masks")
-    made: dict[str, Path] = {}
-
-    def get(name: str, **options: Any) -> Path:
-        if name not in made:
-            made[name] = dump_model(root / name, **options)
-        return made[name]
-
-    return get
 
 
 def drift() -> Any:

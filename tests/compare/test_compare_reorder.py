@@ -6,29 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 
-from model_dumps import dump_model, perturb
+from model_dumps import perturb
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.result import UNMATCHED, CompareResult
-
-
-@pytest.fixture(scope="module")
-def dumps(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    root = tmp_path_factory.mktemp("reorder")
-    made: dict[str, Path] = {}
-
-    def get(name: str, **options: Any) -> Path:
-        if name not in made:
-            made[name] = dump_model(root / name, **options)
-        return made[name]
-
-    return get
 
 
 def pairing(result: CompareResult, step: int) -> dict[str, str | None]:

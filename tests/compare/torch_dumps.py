@@ -7,9 +7,10 @@ every step: the full step by default, or the forward only (``backward=False``: n
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
+
+from compare_helpers import seeded
 
 
 def dump_training(
@@ -26,7 +27,7 @@ def dump_training(
     import torch.nn.functional as F
     from torch import nn
 
-    from pytest_msprobe import PrecisionDebugger, seed_all
+    from pytest_msprobe import PrecisionDebugger
 
     class Cnn(nn.Module):
         def __init__(self) -> None:
@@ -50,9 +51,7 @@ def dump_training(
         def forward(self, x: Any) -> Any:
             return self.out(torch.tanh(self.hidden(torch.flatten(x, 1))))
 
-    deterministic, hashseed = torch.are_deterministic_algorithms_enabled(), os.environ.get("PYTHONHASHSEED")
-    try:
-        seed_all(1234, mode=True)
+    with seeded(1234):
         net = Cnn() if model == "cnn" else Mlp()
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         data = torch.Generator().manual_seed(0)
@@ -69,10 +68,4 @@ def dump_training(
                     opt.step()
                 debugger.stop()
                 debugger.step()
-    finally:  # seed_all's process-wide switches, put back for the tests that follow
-        torch.use_deterministic_algorithms(deterministic)
-        if hashseed is None:
-            os.environ.pop("PYTHONHASHSEED", None)
-        else:
-            os.environ["PYTHONHASHSEED"] = hashseed
     return path
