@@ -164,6 +164,11 @@ SELF_CHECK = Option(
     "out of line; without a baseline the steps are dumped for it (ini: {ini}; marker: {marker}=)",
     ini_help="true: replay each API call in float64 and fail on its own error ({flag})",
 )
+CHECKLIST_ENV = Option(
+    "checklist_env", ini="msprobe_checklist_env", marker="checklist_env",
+    default=(), check=settings.check_env_names, ini_type="linelist",
+    ini_help="environment variables the checklist records beside its own list, one per line",
+)
 WORLD_SIZE = Option(
     "world_size", marker="world_size", default=1, check=settings.check_world_size, check_names_it=True,
 )
@@ -244,7 +249,7 @@ THRESHOLD_OPTIONS = (
     ),
 )
 OPTIONS: tuple[Option, ...] = (
-    BASELINE, REGEN, OUTPUT, DEVICE, TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, KEEP_DUMPS, SELF_CHECK,
+    BASELINE, REGEN, OUTPUT, DEVICE, TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, KEEP_DUMPS, SELF_CHECK, CHECKLIST_ENV,
     WORLD_SIZE, BACKEND, RANK_TIMEOUT, RANK_SPEC, *THRESHOLD_OPTIONS,
 )
 # fmt: on
@@ -500,7 +505,9 @@ def resolve_test(
             f"@pytest.mark.msprobe on {test}: unknown keyword(s) {', '.join(sorted(unknown))} "
             f"(known: {', '.join(sorted(MARKER_KEYS))})"
         )
-    per_test = (TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, WORLD_SIZE, BACKEND, RANK_TIMEOUT, SELF_CHECK)
+    per_test = (
+        TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, WORLD_SIZE, BACKEND, RANK_TIMEOUT, SELF_CHECK, CHECKLIST_ENV,
+    )  # fmt: skip
     get = getter(cli)
     layers = _layers((*per_test, *THRESHOLD_OPTIONS), lambda opt: get(opt.dest), marker, getter(ini), test)
     values = {opt.name: _top(opt, layers, ini_dir) for opt in per_test}  # (each named as its setting)

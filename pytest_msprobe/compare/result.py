@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeGuard
 
+from pytest_msprobe.compare.checklist import ChecklistResult, Difference
 from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetrics
 from pytest_msprobe.compare.metrics import is_mask_fill as is_mask_fill  # (for the reports)
 from pytest_msprobe.compare.rank_order import collective_op
@@ -254,17 +255,45 @@ class CompareResult:
     missing: tuple[str, ...] = ()  # the unpaired dumps that only the baseline has: they fail the compare
     own: dict[int, OwnVerdict] = field(default_factory=dict)  # apis index -> own errors, where there are
     self_check: bool = False  # whether an out-of-line call fails the compare (the self-check was asked for)
+    checklist: ChecklistResult | None = None  # what differs before any call: data, weights, settings
 
     @property
     def passed(self) -> bool:
         """No API breaches, the target has every step and rank the baseline has, enough of the baseline found
-        a partner, and (with the self-check) no call is out of line."""
+        a partner, (with the self-check) no call is out of line, and the checklists agree on the data, the
+        weights, the structure and the hyperparameters."""
         return (
             not self.missing
             and self.coverage.passed
             and not any(api.status == ERROR for api in self.apis)
             and not (self.self_check and self.out_of_line)
+            and (self.checklist is None or self.checklist.passed)
         )
+
+    @property
+    def checklist_first(self) -> Difference | None:
+        """The checklist difference that is the first divergence: the first failing one, when it comes no
+        later than the first divergence among the calls (a difference at the start of a step comes before the
+        step's calls: a re-seeded weight is named, not the conv that reads it)."""
+        first = self.checklist.first if self.checklist is not None else None
+        fd = self.first_divergence
+        if first is None:
+            return None
+        if fd is None or first.step is None or fd.step is None or first.step <= fd.step:
+            return first
+        return None
+
+    @property
+    def several_ranks(self) -> bool:
+        return len({p.rank for p in self.pairs if p.rank is not None}) > 1
+
+    def first_divergence_text(self) -> str:
+        """What the first divergence is, in a few words: ``parameter c2.weight (before step 0)``,
+        ``Functional.relu.2.forward`` (empty for none): the junitxml property and the terminal summary."""
+        first = self.checklist_first
+        if first is not None:
+            return first.headline(self.several_ranks).split(": ", 1)[0]
+        return self.first_divergence.api if self.first_divergence is not None else ""
 
     @property
     def out_of_line(self) -> list[ApiResult]:

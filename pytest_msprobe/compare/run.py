@@ -16,6 +16,7 @@ from typing import Any
 
 from pytest_msprobe.compare.align import align
 from pytest_msprobe.compare.build import Builder
+from pytest_msprobe.compare.checklist import compare_checklists
 from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.explain import (
     below_measure,
@@ -102,6 +103,9 @@ def compare(
             raise DumpFormatError(part[0], part[1])
         builder.merge(part)
     rows, apis, feeds, peers = builder.finish()
+    checklist = compare_checklists(
+        [(t_loc.path, b_loc.path, t_loc.step, t_loc.rank) for t_loc, b_loc in pairs], thresholds
+    )
     coverage = measure_coverage(rows, apis, builder.pairs, thresholds.max_unmatched)
     tensors = replay and builder.mode == "tensor"
     t_own = [load_own(t_loc.path, tensors) for t_loc, _ in pairs]
@@ -153,6 +157,7 @@ def compare(
         stacks=stacks,
         own=own,
         self_check=self_check,
+        checklist=checklist,
     )
 
 

@@ -73,6 +73,8 @@ class ApiCalls(StepRecords):
         super().__init__(config, engine)
         # backward records of calls with several output nodes: written at finish() if some never fired
         self._api_pending: list[_ApiBackward] = []
+        # called once with the first recorded call's name and inputs (the checklist's batch without a model)
+        self.on_first_call: Callable[[str, tuple[Any, ...], dict[str, Any]], None] | None = None
         if config.self_check:
             self.self_check = SelfCheck(config)
 
@@ -101,6 +103,9 @@ class ApiCalls(StepRecords):
             else:
                 want_fwd = select.forward
                 want_bwd = select.backward
+            if self.on_first_call is not None:
+                first, self.on_first_call = self.on_first_call, None
+                first(fwd, args, kwargs)
             parent = self._parent() if self.with_api_parents else None
             grad = _is_grad_enabled()
             entry: dict[str, Any] | None = None

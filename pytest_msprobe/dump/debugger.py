@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 
 from pytest_msprobe.dump import threads
+from pytest_msprobe.dump.checklist import StepChecklist
 from pytest_msprobe.dump.config import DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
 from pytest_msprobe.dump.recorder import Recorder
@@ -57,6 +59,7 @@ from pytest_msprobe.dump.writer import (
     TensorWriter,
     current_rank,
     step_dir,
+    write_checklist_file,
     write_step_files,
 )
 from pytest_msprobe.errors import ConfigError, DumpError, DumpSizeError, PathLike
@@ -92,6 +95,7 @@ class PrecisionDebugger:
         summary_mode: str | None = None,
         max_dump_size: int | str | None = None,
         self_check: bool | None = None,
+        checklist_env: Sequence[str] = (),
     ) -> None:
         self.config: DumpConfig = build_config(
             config_path,
@@ -111,6 +115,10 @@ class PrecisionDebugger:
             raise ConfigError(f"model={type(model).__name__}: expected a torch.nn.Module")
         self.model = model
         self.current_step = 0
+        self.checklist_env = tuple(
+            checklist_env
+        )  # environment variables the checklist records beyond its own
+        self._checklist: StepChecklist | None = None
         self._patcher = ApiPatcher()
         self._recorder: Recorder | None = None
         self._engine: StatEngine | None = None
@@ -163,6 +171,13 @@ class PrecisionDebugger:
             _STARTED[ident] = self
             recorder.owner = ident
             recorder.closed = False
+            if self._checklist is None:
+                self._checklist = StepChecklist(
+                    self.current_step, current_rank(), _device_of(self.model), self.checklist_env
+                )
+            self._checklist.start(self.model)
+            if self._checklist.wants_first_call():
+                recorder.on_first_call = self._checklist.first_call
             if config.modules and self.model is not None:
                 recorder.attach_model(self.model)
             if config.level == "mix":
@@ -278,6 +293,8 @@ class PrecisionDebugger:
         again is cleared last.
         """
         recorder = self._recorder
+        if self._checklist is not None:
+            self._checklist.detach()
         if recorder is not None:
             recorder.closed = True
             if self._owner == threading.get_ident():
@@ -298,6 +315,7 @@ class PrecisionDebugger:
         self._writer = None
         self._recorder = None
         self._engine = None
+        self._checklist = None
 
     def _check_size(self) -> None:
         """Raise, once, that the dump reached its size limit (its files written so far are complete)."""
@@ -342,6 +360,7 @@ class PrecisionDebugger:
             "framework": "pytorch",
             "dump_data_dir": os.fspath(folder / TENSOR_DIR) if config.save_tensors else None,
         }
+        checklist = self._checklist.document() if self._checklist is not None else None
         writer = self._writer
         if writer is not None:
             writer.save()  # the snapshots, into the staging folder (long: it may be interrupted, then dropped)
@@ -354,6 +373,8 @@ class PrecisionDebugger:
             construct = recorder.construct if config.modules else {}
             check = recorder.self_check
             own = (check.own_errors(recorder.data), check.device) if check is not None else None
+            if checklist is not None:
+                write_checklist_file(folder, checklist)
             write_step_files(folder, header, recorder.data, recorder.stacks.render(), construct, own)
 
         self._files.wait()  # one step at a time; an earlier step's failure is reported before this one goes
@@ -362,6 +383,17 @@ class PrecisionDebugger:
             # capture of the step stages its new files with a new writer)
             self._files.submit(write_files)
             self._writer = None
+
+
+def _device_of(model: torch.nn.Module | None) -> str:
+    """The device type a step trains on: the model's, else the accelerator in use, else the CPU."""
+    if model is not None:
+        for p in model.parameters():
+            return p.device.type
+    npu = getattr(torch, "npu", None)
+    if npu is not None and getattr(npu, "is_initialized", lambda: False)():
+        return "npu"
+    return "cuda" if torch.cuda.is_initialized() else "cpu"
 
 
 def _sync_devices() -> None:

@@ -37,6 +37,7 @@ _DROPOUT_FUNCTIONS = (
     "alpha_dropout",
     "feature_alpha_dropout",
 )
+_LAST_SEED: list[int] = []  # the seed of the last seed_all in this process (the checklist records it)
 
 
 def seed_all(seed: int = 1234, mode: bool = False, rm_dropout: bool = False) -> None:
@@ -56,6 +57,7 @@ def seed_all(seed: int = 1234, mode: bool = False, rm_dropout: bool = False) -> 
     import numpy as np
     import torch
 
+    _LAST_SEED[:] = [seed]
     random.seed(seed)
     os.environ["PYTHONHASHSEED"] = str(seed)
     np.random.seed(seed)
@@ -78,6 +80,18 @@ def seed_all(seed: int = 1234, mode: bool = False, rm_dropout: bool = False) -> 
 
     if rm_dropout:
         _remove_dropout()
+
+
+def last_seed() -> int | None:
+    """The seed of the last :func:`seed_all` of this process (None before any)."""
+    return _LAST_SEED[0] if _LAST_SEED else None
+
+
+def dropout_removed() -> bool:
+    """Whether ``seed_all(rm_dropout=True)`` made torch.nn.functional's dropouts identities."""
+    import torch.nn.functional as F
+
+    return bool(getattr(getattr(F, "dropout", None), "_msprobe_no_dropout", False))
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:

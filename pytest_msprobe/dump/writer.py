@@ -24,6 +24,7 @@ from typing import Any
 
 from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.errors import DumpError, PathLike
+from pytest_msprobe.format.checklist import CHECKLIST_JSON, write_checklist
 from pytest_msprobe.format.files import write_text
 from pytest_msprobe.format.layout import (
     CONSTRUCT_JSON,
@@ -88,6 +89,15 @@ def render_mapping(header: dict[str, Any], key: str | None, entries: dict[str, A
     parts.append(",\n".join(items))
     parts.append("\n}\n")
     return "".join(parts)
+
+
+def write_checklist_file(folder: Path, doc: Mapping[str, Any]) -> None:
+    """Write a step's checklist.json into ``folder`` (created if needed), before its dump.json."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_checklist(folder, doc)
+    except OSError as exc:
+        raise DumpError(f"{folder / CHECKLIST_JSON}: cannot write ({exc.strerror or exc})") from exc
 
 
 def write_step_files(

@@ -50,6 +50,7 @@ VERDICT = "msprobe_verdict"  # user property: passed, failed, missing, regenerat
 # junitxml property: the baseline a test used (a property name that is the ini key's word, not the ini key)
 BASELINE_PROPERTY = "msprobe_baseline"
 REASON = "msprobe_reason"  # user property: one line, why a test that compared nothing failed or errored
+CONTEXT = "msprobe_context"  # user property: checklist context that differs (environment, versions, switches)
 FIRST_OUT_OF_LINE = "msprobe_first_out_of_line"  # user property: the self-check's first out-of-line call
 
 
@@ -219,9 +220,16 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         pytest.fail(f"msprobe: {problem}", pytrace=False)
     item.stash[OUTCOME_KEY] = outcome
     # on the item, so that the call and teardown reports (junitxml reads the latter) both carry them
-    fd = outcome.result.first_divergence if outcome.result is not None else None
+    compared = outcome.result
+    fd = compared.first_divergence if compared is not None else None
     item.user_properties.append((VERDICT, outcome.kind))
-    item.user_properties.append(("msprobe_first_divergence", fd.api if fd is not None else ""))
+    first = compared.first_divergence_text() if compared is not None else ""
+    item.user_properties.append(("msprobe_first_divergence", first))
+    if compared is not None and compared.checklist_first is not None:
+        fd = None  # the rank below is the call's; a checklist difference names its own
+    context = compared.checklist.context_line() if compared is not None and compared.checklist else None
+    if context:  # environment and versions: shown, never a failure on their own
+        item.user_properties.append((CONTEXT, context))
     if outcome.self_check is not None and outcome.self_check.out_of_line:  # the self-check without a baseline
         item.user_properties.append((FIRST_OUT_OF_LINE, outcome.self_check.out_of_line[0].name))
     if fd is not None and fd.rank is not None:  # a multi-rank dump: the rank the error entered on
@@ -302,6 +310,8 @@ class _Summary:
                 detail = f"first out of line {props[FIRST_OUT_OF_LINE]}"
             else:  # a test that compared nothing says why; a pass or a regeneration where its baseline is
                 detail = str(props.get(REASON) or props.get(BASELINE_PROPERTY, ""))
+            if props.get(CONTEXT):
+                detail += f"; differs (context): {props[CONTEXT]}"
             self.lines.append((report.nodeid, str(props[VERDICT]), str(detail)))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:

@@ -71,31 +71,54 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
     [the baseline's steps/ranks the target lacks], "coverage": {passed, max_unmatched, baseline_calls,
     unmatched_calls, baseline_rows, unmatched_rows, share, reason, over, first_unmatched}, "ranks": [per rank:
     rank, passed, apis, apis_error, first_error], "counts", "self_check": null | {gate, calls_checked,
-    calls_not_replayed, out_of_line: [{api, step, rank, reason}]}}``; ``first_divergence`` also has its
-    ``rule``."""
-    fd = result.first_divergence
+    calls_not_replayed, out_of_line: [{api, step, rank, reason}]}, "checklist": null | {checked_dump_pairs,
+    unchecked, passed, failures, context}}``; ``first_divergence`` is :func:`first_divergence_dict`'s."""
     failures = []
     for api in result.failures:
         row = result.rows[api.worst_row].row if api.worst_row is not None else api.api
         failures.append(_place(result, api, row, api.reason))
     return {
         "passed": result.passed,
-        "first_divergence": None
-        if fd is None
-        else {
-            "api": fd.api,
-            "row": fd.row,
-            "step": fd.step,
-            "rank": fd.rank,
-            "reason": fd.reason,
-            "rule": fd.rule,
-        },
+        "first_divergence": first_divergence_dict(result),
         "failures": failures,
         "missing": list(result.missing),
         "coverage": coverage_dict(result),
         "ranks": rank_summaries(result),
         "counts": result.counts(),
         "self_check": own_summary_dict(result),
+        "checklist": result.checklist.to_dict() if result.checklist is not None else None,
+    }
+
+
+def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
+    """``{kind, api, row, step, rank, reason, rule}``: ``kind`` is ``api`` for a call (then ``rule`` says which
+    rule placed it), or the checklist's kind (data, parameter, buffer, hyperparameter, structure) with its
+    ``name`` and ``where``."""
+    first = result.checklist_first
+    if first is not None:
+        return {
+            "kind": first.kind,
+            "name": first.name,
+            "where": first.where,
+            "api": None,
+            "row": None,
+            "step": first.step,
+            "rank": first.rank,
+            "reason": first.detail,
+            "rule": "checklist",
+            "text": first.headline(result.several_ranks),
+        }
+    fd = result.first_divergence
+    if fd is None:
+        return None
+    return {
+        "kind": "api",
+        "api": fd.api,
+        "row": fd.row,
+        "step": fd.step,
+        "rank": fd.rank,
+        "reason": fd.reason,
+        "rule": fd.rule,
     }
 
 

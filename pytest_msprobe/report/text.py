@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pytest_msprobe.compare.checklist import meaning
 from pytest_msprobe.compare.result import (
     UNMATCHED_CAUSES,
     CompareResult,
@@ -51,6 +52,41 @@ def _steps_and_ranks(result: CompareResult) -> tuple[list[int], list[int]]:
 def _divergence_lines(fd: Divergence, where: str) -> list[str]:
     """``first divergence: API (where), row ROW`` and its reason."""
     return [f"first divergence: {fd.api} ({where}), row {fd.row}", f"  {fd.reason}"]
+
+
+def divergence_lines(result: CompareResult) -> list[str]:
+    """The first divergence and why: a checklist difference (data, a weight, a setting, the structure) when
+    it comes first, then the first breaching call it leads to; else the call where the error enters."""
+    fd = result.first_divergence
+    first = result.checklist_first
+    lines: list[str] = []
+    if first is not None:
+        lines = [f"first divergence: {first.headline(result.several_ranks)}", f"  {meaning(first)}"]
+        assert result.checklist is not None
+        others = [d for d in result.checklist.failures if d is not first]
+        if others:
+            named = "; ".join(d.headline(result.several_ranks).split(": ", 1)[0] for d in others[:4])
+            more = f" and {len(others) - 4} more" if len(others) > 4 else ""
+            lines.append(f"  also differs before the calls: {named}{more}")
+        if fd is not None:
+            lines.append(f"  the first breaching call after it: {fd.api} ({_where(fd.step, fd.rank)})")
+    elif fd is not None:
+        where = f"step {fd.step}, rank {fd.rank}" if fd.step is not None else f"rank {fd.rank}"
+        lines = _divergence_lines(fd, where)
+    context = result.checklist.context_line() if result.checklist is not None else None
+    if context:
+        lines.append(f"context (not failures): {context}")
+    return lines
+
+
+def checklist_headline(result: CompareResult) -> str:
+    """``the runs differ before any call: 2 checklist differences (data, parameter); `` (empty for none)."""
+    failures = result.checklist.failures if result.checklist is not None else []
+    if not failures:
+        return ""
+    kinds = ", ".join(dict.fromkeys(d.kind for d in failures))
+    n = len(failures)
+    return f"the runs differ before any call: {n} checklist difference{'s' if n > 1 else ''} ({kinds}); "
 
 
 def _reports_lines(reports: dict[str, str] | None) -> list[str]:
@@ -130,13 +166,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         f"{c['apis_error']} of {c['apis']} API calls breach"
     ]
     lines.extend(coverage_lines(result, "--max-unmatched=SHARE"))
-    fd = result.first_divergence
-    if fd is not None:
-        lines.extend(
-            _divergence_lines(
-                fd, f"step {fd.step}, rank {fd.rank}" if fd.step is not None else f"rank {fd.rank}"
-            )
-        )
+    lines.extend(divergence_lines(result))
     by_rank = rank_line(result)
     if by_rank:
         lines.append(by_rank)
@@ -181,10 +211,8 @@ def failure_message(
         else:
             lines.append(f"of what was compared, {counts}")
     else:
-        lines = [f"msprobe: {lacking}{counts}"]
-    fd = result.first_divergence
-    if fd is not None:
-        lines.extend(_divergence_lines(fd, f"step {fd.step}, rank {fd.rank}"))
+        lines = [f"msprobe: {lacking}{checklist_headline(result)}{counts}"]
+    lines.extend(divergence_lines(result))
     by_rank = rank_line(result)
     if by_rank:
         lines.append(by_rank)

@@ -202,6 +202,7 @@ class MsprobeRun:
                     summary_mode="md5" if md5 else None,
                     max_dump_size=test.max_dump_size,
                     self_check=test.self_check,
+                    checklist_env=test.checklist_env,
                 )
             self._determinism = _Determinism.save()
             seed_all(seed=test.seed, mode=True)
@@ -230,7 +231,8 @@ class MsprobeRun:
         self._in_step = True
         interrupted = True
         try:
-            self.debugger.start(model) if needs_model else self.debugger.start()
+            # the model also at L1: the checklist fingerprints its weights and takes the batch from its forward
+            self.debugger.start(model) if model is not None else self.debugger.start()
             yield
             interrupted = False
         except Exception:  # the body failed: the step's records are whole, they are written as usual

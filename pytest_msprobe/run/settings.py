@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class TestSettings:
     backend: str | None = None  # torch.distributed backend of the ranks; None: by device (gloo, nccl, hccl)
     rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds the rank processes may take, start-up included
     self_check: bool = False  # replay each API call in float64 and fail on one whose own error is out of line
+    checklist_env: tuple[str, ...] = ()  # environment variables the checklist records beyond its own list
 
 
 def check_flag(value: Any, where: str) -> bool:
@@ -67,6 +69,23 @@ def check_flag(value: Any, where: str) -> bool:
     if text in {"0", "false", "no", "off", ""}:
         return False
     raise ConfigError(f"{where}: expected true or false, got {value!r}")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env_names(value: Any, where: str) -> tuple[str, ...]:
+    """Environment variable names: a list, or text with one name per line or separated by spaces/commas."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ConfigError(f"{where}: expected environment variable names, got {value!r}")
+    names = []
+    for item in items:
+        for name in str(item).replace(",", " ").split():
+            if not _ENV_NAME.fullmatch(name):
+                raise ConfigError(f"{where}: {name!r} is not an environment variable name")
+            names.append(name)
+    return tuple(dict.fromkeys(names))
 
 
 def check_given(value: Any, where: str) -> str:

@@ -1,0 +1,310 @@
+"""The training checklist of a dumped step: what msprobe's guide checks before it suspects any operator.
+
+Recorded at the start of every dumped step by the debugger (:class:`StepChecklist`), written beside the step's
+msprobe files (:mod:`pytest_msprobe.format.checklist`):
+
+- the environment variables that change numerics (:data:`NUMERIC_ENV`, plus the names a user adds), library
+  versions, torch's numeric switches and the seed;
+- the model's structure (module tree; parameter and buffer names, shapes, dtypes) and a fingerprint (CRC32 of
+  the bytes plus statistics) of every parameter and buffer, as the step starts;
+- the step's input batch: the tensors given to the model's forward (its first call in the step), or, without a
+  model, to the first recorded API call;
+- every optimizer that holds the model's parameters, with each param group's scalars, as its first
+  ``step()`` of the step saw them (an lr scheduler's value of that step).
+
+The costs are one host copy and CRC32 of each parameter and buffer per dumped step (about 50 ms per 100 MB of
+parameters on one core) and nothing per API call.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import threading
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pytest_msprobe.dump import determinism
+from pytest_msprobe.format.checklist import encode_number
+
+# the environment variables that change the numbers of a run (documented in the README); a user adds more with
+# the ini key msprobe_checklist_env
+NUMERIC_ENV: tuple[str, ...] = (
+    # CUDA and cuBLAS / cuDNN
+    "CUBLAS_WORKSPACE_CONFIG",
+    "NVIDIA_TF32_OVERRIDE",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "CUDA_LAUNCH_BLOCKING",
+    "CUBLASLT_WORKSPACE_SIZE",
+    "TORCH_CUDNN_V8_API_DISABLED",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    # Ascend NPU and its collectives
+    "HCCL_DETERMINISTIC",
+    "LCCL_DETERMINISTIC",
+    "ASCEND_LAUNCH_BLOCKING",
+    "CLOSE_MATMUL_K_SHIFT",
+    "ATB_LLM_LCOC_ENABLE",
+    "INF_NAN_MODE_ENABLE",
+    "HCCL_ALGO",
+    # CPU threading and Python
+    "PYTHONHASHSEED",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "MKL_CBWR",
+)
+
+# param group entries that choose an implementation, not the mathematics (shown, never a failure)
+IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def _versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": _module_version("numpy"),
+        "cuda": torch.version.cuda,
+        "cudnn": None,
+        "torch_npu": None,
+        "cann": None,
+    }
+    if torch.cuda.is_available():
+        try:
+            cudnn = torch.backends.cudnn.version()
+        except Exception:  # a broken cuDNN install: the version is unknown, not an error of the dump
+            cudnn = None
+        found["cudnn"] = str(cudnn) if cudnn is not None else None
+    npu = sys.modules.get("torch_npu")
+    if npu is not None:
+        found["torch_npu"] = str(getattr(npu, "__version__", None))
+        version = getattr(npu, "version", None)
+        cann = getattr(version, "cann", None) if version is not None else None
+        found["cann"] = str(cann) if cann is not None else os.environ.get("ASCEND_TOOLKIT_HOME")
+    return found
+
+
+def _module_version(name: str) -> str | None:
+    module = sys.modules.get(name)
+    if module is None:
+        try:
+            module = __import__(name)
+        except ImportError:
+            return None
+    return str(getattr(module, "__version__", None))
+
+
+def _switches() -> dict[str, Any]:
+    matmul = torch.backends.cuda.matmul
+    found: dict[str, Any] = {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn.deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn.benchmark": bool(torch.backends.cudnn.benchmark),
+        "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "cuda.matmul.allow_tf32": bool(matmul.allow_tf32),
+        "cuda.matmul.allow_fp16_reduced_precision_reduction": bool(
+            matmul.allow_fp16_reduced_precision_reduction
+        ),
+        "cuda.matmul.allow_bf16_reduced_precision_reduction": bool(
+            matmul.allow_bf16_reduced_precision_reduction
+        ),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "dropout_removed": determinism.dropout_removed(),
+    }
+    npu = getattr(torch, "npu", None) if "torch_npu" in sys.modules else None
+    if npu is not None:
+        for part in ("matmul", "conv"):
+            holder = getattr(npu, part, None)
+            value = getattr(holder, "allow_hf32", None) if holder is not None else None
+            if value is not None:
+                found[f"npu.{part}.allow_hf32"] = bool(value)
+    return found
+
+
+def environment(extra_env: Sequence[str] = ()) -> dict[str, Any]:
+    """The context part of a checklist: environment variables, versions, switches and the seed."""
+    names = dict.fromkeys((*NUMERIC_ENV, *extra_env))
+    return {
+        "seed": determinism.last_seed(),
+        "environment": {name: os.environ.get(name) for name in names},
+        "versions": _versions(),
+        "switches": _switches(),
+    }
+
+
+def fingerprint(tensor: torch.Tensor) -> dict[str, Any]:
+    """An exact fingerprint of a tensor (CRC32 of its bytes) with its statistics (min, max, mean, norm; min
+    and max only for integers and bools)."""
+    t = tensor.detach()
+    doc: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    if t.is_quantized or t.is_sparse or t.layout != torch.strided:
+        doc["crc32"] = None
+        return doc
+    host = t.to("cpu").contiguous() if t.device.type != "cpu" else t.contiguous()
+    if host.is_conj():
+        host = host.resolve_conj()
+    if host.is_neg():
+        host = host.resolve_neg()
+    raw = host.reshape(-1).view(torch.uint8) if host.numel() else torch.empty(0, dtype=torch.uint8)
+    doc["crc32"] = f"{zlib.crc32(raw.numpy().data) & 0xFFFFFFFF:08x}"
+    if not host.numel() or host.is_complex():
+        return doc
+    if host.dtype.is_floating_point:
+        values = host if host.dtype in (torch.float32, torch.float64) else host.float()
+        low, high = torch.aminmax(values)
+        doc.update(
+            min=encode_number(float(low)),
+            max=encode_number(float(high)),
+            mean=encode_number(float(values.mean())),
+            norm=encode_number(float(torch.linalg.vector_norm(values))),
+        )
+    else:
+        ints = host.to(torch.int64)
+        doc.update(min=int(ints.min()), max=int(ints.max()))
+    return doc
+
+
+def structure(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's module tree (name, class) and its parameters' and buffers' shapes and dtypes."""
+    return {
+        "modules": [[name, type(module).__name__] for name, module in model.named_modules()],
+        "parameters": {
+            name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in model.named_parameters()
+        },
+        "buffers": {
+            name: [list(b.shape), str(b.dtype).removeprefix("torch.")] for name, b in model.named_buffers()
+        },
+    }
+
+
+def _tensors(value: Any, prefix: str, depth: int = 0) -> Iterable[tuple[str, torch.Tensor]]:
+    """The tensors of an argument, with their place (``args.0``, ``kwargs.mask``, ``args.1.0``)."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif depth < 3 and isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}.{i}", depth + 1)
+    elif depth < 3 and isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _tensors(item, f"{prefix}.{key}", depth + 1)
+
+
+def _scalar(value: Any) -> Any:
+    """A param group entry as JSON holds it: numbers, bools, strings, None, tuples of those; a tensor's value
+    (a capturable lr); anything else by its type."""
+    if isinstance(value, torch.Tensor):
+        return encode_number(float(value)) if value.numel() == 1 else f"<tensor {list(value.shape)}>"
+    if isinstance(value, float):
+        return encode_number(value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_scalar(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+class StepChecklist:
+    """The checklist of one dumped step, started with the capture and written with the step's files.
+
+    ``start()`` fingerprints the model's parameters and buffers and hooks the model's forward (the step's input
+    batch) and the optimizers' ``step()`` (their settings); ``detach()`` removes those hooks. Without a model,
+    the batch is the first recorded API call's inputs (:meth:`first_call`).
+    """
+
+    def __init__(self, step: int, rank: int, device: str | None, extra_env: Sequence[str] = ()) -> None:
+        self.step = step
+        self.rank = rank
+        self.device = device
+        self.extra_env = tuple(extra_env)
+        self.model: torch.nn.Module | None = None
+        self.doc: dict[str, Any] = {}
+        self.data: dict[str, Any] | None = None
+        self.optimizers: list[dict[str, Any]] = []
+        self._seen: set[int] = set()
+        self._param_ids: frozenset[int] = frozenset()
+        self._handles: list[Any] = []
+        self._owner = threading.get_ident()
+        self.started = False
+
+    def start(self, model: torch.nn.Module | None) -> None:
+        """At the step's first start: the context, the model's structure and fingerprints; the hooks (again
+        at every start: a resumed capture hooks again)."""
+        if not self.started:
+            self.started = True
+            self.model = model
+            self.doc = environment(self.extra_env)
+            if model is not None:
+                self.doc["structure"] = structure(model)
+                self.doc["parameters"] = {n: fingerprint(p) for n, p in model.named_parameters()}
+                self.doc["buffers"] = {n: fingerprint(b) for n, b in model.named_buffers()}
+                self._param_ids = frozenset(id(p) for p in model.parameters())
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_step))
+        if self.model is not None and self.data is None:
+            self._handles.append(
+                self.model.register_forward_pre_hook(self._forward, with_kwargs=True, prepend=True)
+            )
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def wants_first_call(self) -> bool:
+        """Whether the batch comes from the first recorded API call (no model to hook)."""
+        return self.model is None and self.data is None
+
+    def first_call(self, api: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """The first recorded API call of the step, when there is no model: its inputs are the batch."""
+        if self.data is None:  # its first tensor: the batch (the others are weights, compared as such)
+            first = next(iter(_tensors(tuple(args), "args")), None)
+            tensors = {first[0]: fingerprint(first[1])} if first is not None else {}
+            self.data = {"source": f"the first recorded call, {api}", "tensors": tensors}
+
+    def _forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.data is None and threading.get_ident() == self._owner:
+            self.data = self._batch("the model's forward", args, kwargs)
+        return None
+
+    @staticmethod
+    def _batch(source: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        tensors = {
+            **{name: fingerprint(t) for name, t in _tensors(tuple(args), "args")},
+            **{name: fingerprint(t) for name, t in _tensors(dict(kwargs), "kwargs")},
+        }
+        return {"source": source, "tensors": tensors}
+
+    def _optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self._seen or threading.get_ident() != self._owner:
+            return
+        groups = getattr(optimizer, "param_groups", None) or []
+        if self._param_ids and not any(
+            id(p) in self._param_ids for group in groups for p in group.get("params", ())
+        ):
+            return  # another model's optimizer
+        self._seen.add(id(optimizer))
+        self.optimizers.append(
+            {
+                "class": type(optimizer).__name__,
+                "groups": [
+                    {
+                        **{k: _scalar(v) for k, v in group.items() if k != "params"},
+                        "params": len(group.get("params", ())),
+                    }
+                    for group in groups
+                ],
+            }
+        )
+
+    def document(self) -> dict[str, Any]:
+        """What checklist.json holds (see :mod:`pytest_msprobe.format.checklist`)."""
+        doc: dict[str, Any] = {"step": self.step, "rank": self.rank, "device": self.device, **self.doc}
+        doc["optimizers"] = list(self.optimizers)
+        if self.data is not None:
+            doc["data"] = self.data
+        return doc
