@@ -121,6 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     add_threshold_options(cmp.add_argument)
+    chk = commands.add_parser(
+        "config-check",
+        help="compare the training checklists of two dumps (data, weights, settings, environment)",
+        description="Compare the checklists recorded with two dumps, step by step and rank by rank: the "
+        "input batches, the weights and buffers at the start of each step, the optimizers' settings, the "
+        "model's structure (failures), and the environment variables, library versions and torch switches "
+        "that change numerics (context). msprobe's pre-training config check, from the dumps.",
+        epilog="exit status: 0 no failing difference (context may differ), 1 a data, weight, buffer, "
+        "hyperparameter or structure difference, 2 unusable input (no checklist to compare) or usage error",
+    )
+    chk.add_argument("target", metavar="TARGET", help="dump to check (dump root, step or rank folder)")
+    chk.add_argument("baseline", metavar="BASELINE", help="reference dump, in any of the same forms")
+    chk.add_argument("-o", "--output", dest="output_path", metavar="OUT",
+                     help="also write OUT/config_check.json")  # fmt: skip
     rep = commands.add_parser(
         "replay",
         help="replay every API call of a tensor dump on the CPU in float64 and judge each call's own error",
@@ -255,6 +269,47 @@ def _run_replay(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _run_config_check(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from pytest_msprobe.compare.checklist import compare_checklists
+    from pytest_msprobe.compare.run import pair_locations
+    from pytest_msprobe.compare.thresholds import Thresholds
+    from pytest_msprobe.format.files import write_text
+    from pytest_msprobe.format.layout import discover
+
+    pairs, unpaired, _ = pair_locations(
+        discover(args.target), discover(args.baseline), args.target, args.baseline
+    )
+    result = compare_checklists([(t.path, b.path, t.step, t.rank) for t, b in pairs], Thresholds())
+    if not result.checked:  # nothing compared is no pass
+        why = result.unchecked[0] if result.unchecked else "no dump pair"
+        raise DumpFormatError(args.baseline, f"no checklist to compare ({why})")
+    several = len({t.rank for t, _ in pairs}) > 1
+    status = "FAILED" if result.failures else "PASSED"
+    print(
+        f"{PROG} config-check: {status}: {result.checked} dump pair(s) compared, {len(result.failures)} "
+        f"failing difference(s), {len(result.context)} in the context"
+    )
+    for d in result.failures[:20]:
+        print(f"  {d.headline(several)}")
+    if len(result.failures) > 20:
+        print(f"  ... and {len(result.failures) - 20} more")
+    for d in result.context:
+        print(
+            f"  context: {d.kind} {d.name}: {d.target} vs {d.baseline}"
+            + (" (expected)" if d.expected else "")
+        )
+    for note in (*result.unchecked, *unpaired):
+        print(f"  not checked: {note}")
+    if args.output_path:
+        out = Path(args.output_path)
+        out.mkdir(parents=True, exist_ok=True)
+        write_text(out / "config_check.json", json.dumps(result.to_dict(), indent=2) + "\n")
+    return 1 if result.failures else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -263,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_compare(args, parser)
         if args.command == "replay":
             return _run_replay(args)
+        if args.command == "config-check":
+            return _run_config_check(args)
         parser.error(f"unknown command {args.command!r}")
     except SystemExit as exc:  # argparse's usage errors (2) and --help (0)
         code: Any = exc.code

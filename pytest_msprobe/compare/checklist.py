@@ -270,16 +270,16 @@ def _hyperparameters(
             have = to if isinstance(to, dict) else bo
             side = "baseline" if isinstance(to, dict) else "target"
             cls = have.get("class") if isinstance(have, dict) else "?"
-            failing.append(
+            # no settings to hold: what its missing calls mean is the coverage's to say
+            flags.append(
                 Difference(
-                    HYPERPARAMETER,
-                    "optimizer",
-                    step,
+                    SWITCH,
+                    f"optimizer {i} (step {step})",
+                    None,
                     rank,
                     _text(to and to.get("class")),
                     _text(bo and bo.get("class")),
                     f"the {side} makes no step of optimizer {i} ({cls}) in step {step}",
-                    where=f"step {step}",
                 )
             )
             continue

@@ -95,7 +95,7 @@ def compare(
     thresholds = thresholds or Thresholds()
     t_locs, b_locs = discover(target), discover(baseline)
     refuse_self_compare(t_locs, b_locs, target, baseline)
-    pairs, unpaired, missing = _pair_locations(t_locs, b_locs, target, baseline)
+    pairs, unpaired, missing = pair_locations(t_locs, b_locs, target, baseline)
     builder = Builder(thresholds, mode)
     tasks = [PairTask(t_loc, b_loc, thresholds, mode, fuzzy, 1) for t_loc, b_loc in pairs]
     for part in compare_pairs(_compare_pair, tasks, jobs):
@@ -288,7 +288,7 @@ def _describe(loc: DumpLocation) -> str:
     return f"{', '.join(where) or 'dump'} ({loc.path})"
 
 
-def _pair_locations(
+def pair_locations(
     t_locs: list[DumpLocation], b_locs: list[DumpLocation], target: Any, baseline: Any
 ) -> tuple[list[tuple[DumpLocation, DumpLocation]], list[str], list[str]]:
     """Pairs of dumps by (step, rank), notes of the dumps one side only has, and those of them the target

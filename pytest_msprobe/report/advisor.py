@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 
+from pytest_msprobe.compare.checklist import meaning
 from pytest_msprobe.compare.result import (
     ERROR,
     INCONSISTENT,
@@ -244,8 +245,86 @@ def coverage_advice(result: CompareResult) -> str | None:
     )
 
 
+# what to do next for a checklist difference, by kind (msprobe's guide: settle the checklist first)
+_CHECKLIST_NEXT = {
+    "data": "Make both runs read the same batches: the same files and preprocessing, no shuffling (or the "
+    "same seeded order), augmentation off or seeded on the CPU, random tensors made on the CPU and moved. "
+    "Then compare again: the calls' differences will mostly go with it.",
+    "parameter": "Start both runs from the same weights: build the model after seed_all on the CPU and move "
+    "it, or save a state_dict on the reference device and load it on the other. A weight that differs at a "
+    "later step changed in steps that were not dumped: dump the steps before it, or record a trend of every "
+    "step (trend_steps) to find where the runs part.",
+    "buffer": "Give both runs the same buffers (a mask, running statistics, a position table): they are part "
+    "of the initial state as the weights are. One that differs at a later step changed in steps that were "
+    "not dumped: dump the steps before it.",
+    "hyperparameter": "Set the optimizer alike in both scripts (learning rate, momentum, betas, weight decay, "
+    "and the lr scheduler's value at this step), then compare again.",
+    "structure": "Run the same model code in both (the module tree, the names, shapes and dtypes of its "
+    "parameters and buffers): a different version of the model code or of a library that builds it, or a "
+    "dtype cast on one side only.",
+}
+
+
+def checklist_lines(result: CompareResult) -> list[str]:
+    """The checklist part of the advisor: its differences (failures first), the context, what was not
+    checked."""
+    checklist = result.checklist
+    if checklist is None:
+        return []
+    several = result.several_ranks
+    lines: list[str] = []
+    if checklist.failures:
+        lines.append("Checklist differences (what is checked before any operator is suspected):")
+        lines.extend(f"  {d.headline(several)}" for d in checklist.failures[:12])
+        if len(checklist.failures) > 12:
+            lines.append(f"  ... and {len(checklist.failures) - 12} more")
+    if checklist.context:
+        lines.append(
+            "Context that differs (never a failure on its own; 'expected' between these two device types):"
+        )
+        lines.extend(
+            f"  {d.kind} {d.name}: {d.target} vs {d.baseline}" + (" (expected)" if d.expected else "")
+            for d in checklist.context[:20]
+        )
+    if checklist.unchecked:
+        lines.append("Not checked:")
+        lines.extend(f"  {why}" for why in checklist.unchecked[:6])
+    return lines
+
+
+def _checklist_advisor(result: CompareResult) -> str | None:
+    """The advisor of a compare whose first divergence is a checklist difference."""
+    first = result.checklist_first
+    if first is None:
+        return None
+    fd = result.first_divergence
+    lines = [
+        "Line: N/A",
+        f"Suspect Nodes: {first.headline(result.several_ranks).split(': ', 1)[0]}",
+        f"Expert Advice: {first.detail}: {meaning(first)}. {_CHECKLIST_NEXT[first.kind]}",
+        "",
+        *checklist_lines(result),
+    ]
+    if fd is not None:
+        lines.append(
+            f"The first breaching call after it: {fd.api} (step {fd.step}, rank {fd.rank}): {fd.reason}; "
+            f"{len(result.failures)} API call(s) breach in total, most or all because of the difference above."
+        )
+    return "\n".join(lines) + "\n" + _missing_text(result)
+
+
 def advisor_text(result: CompareResult) -> str:
-    """The advisor file's content."""
+    """The advisor file's content: led by a checklist difference when one comes first, else by the call
+    where the error enters; the checklist's context and differences follow."""
+    led = _checklist_advisor(result)
+    if led is not None:
+        return led
+    text = _call_advisor(result)
+    extra = checklist_lines(result)
+    return text + ("\n".join(extra) + "\n" if extra else "")
+
+
+def _call_advisor(result: CompareResult) -> str:
     fd = result.first_divergence
     counts = result.counts()
     uncovered = coverage_advice(result)

@@ -125,6 +125,26 @@ def _link(label: str, path: str) -> str:
     return f'<a href="{html.escape(Path(path).resolve().as_uri())}">{html.escape(label)}</a>'
 
 
+def checklist_html(result: CompareResult) -> str:
+    """A table of the checklist's differences (failures, then context), empty when there are none."""
+    checklist = result.checklist
+    if checklist is None or not checklist.differences:
+        return ""
+    rows = [
+        '<table class="msprobe-checklist" border="1" cellpadding="3" style="border-collapse: collapse">',
+        "<tr><th>checklist</th><th>name</th><th>where</th><th>target</th><th>baseline</th><th>what</th></tr>",
+    ]
+    for d in checklist.differences[:40]:
+        kind = d.kind if d.failing else f"{d.kind} (context{', expected' if d.expected else ''})"
+        rows.append(
+            f"<tr><td>{html.escape(kind)}</td><td><code>{html.escape(d.name)}</code></td>"
+            f"<td>{html.escape(d.where)}</td><td>{html.escape(d.target)}</td><td>{html.escape(d.baseline)}</td>"
+            f"<td>{html.escape(d.detail)}</td></tr>"
+        )
+    rows.append("</table>")
+    return "\n".join(rows)
+
+
 def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, max_rows: int = 20) -> str:
     """The block pytest-html shows under an msprobe test: verdict, advisor, failing rows, plot, links."""
     c = result.counts()
@@ -137,6 +157,16 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
     if result.coverage.headline is not None:
         parts.append(f'<p class="msprobe-coverage"><b>{html.escape(result.coverage.headline)}</b></p>')
     fd = result.first_divergence
+    first = result.checklist_first
+    if first is not None:
+        parts.append(
+            f'<p>First divergence: <b class="msprobe-first-divergence">{html.escape(first.kind)} '
+            f"{html.escape(first.name)}</b> ({html.escape(first.where)}): {html.escape(first.detail)}</p>"
+        )
+        fd = None
+    checklist = checklist_html(result)
+    if checklist:
+        parts.append(checklist)
     if fd is not None:
         parts.append(
             f'<p>First divergence: <b class="msprobe-first-divergence">{html.escape(fd.api)}</b> '
