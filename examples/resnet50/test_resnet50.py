@@ -35,5 +35,8 @@ def test_resnet50_training_steps(msprobe) -> None:
     criterion = torch.nn.CrossEntropyLoss().to(msprobe.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     batches = example.synthetic_batches(STEPS, BATCH, IMAGE_SIZE)
-    losses = example.train(model, batches, criterion, optimizer, msprobe.device, debugger=msprobe.debugger)
+    # the model given to start() at L1 too: the checklist fingerprints its weights and the batch of its forward
+    losses = example.train(
+        model, batches, criterion, optimizer, msprobe.device, debugger=msprobe.debugger, pass_model=True
+    )
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))

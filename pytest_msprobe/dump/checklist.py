@@ -207,6 +207,32 @@ def _scalar(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+_OWN_FRAMES = (os.sep + "pytest_msprobe" + os.sep, os.sep + "contextlib.py")
+
+
+def caller_model(depth: int = 12, frames: int = 2) -> torch.nn.Module | None:
+    """The model of a training loop that started the dump without naming it (``debugger.start()`` at L1): the
+    ``torch.nn.Module`` with the most parameters among the local variables of the first ``frames`` callers
+    outside this package (a loss module has none). None when there is none."""
+    frame = sys._getframe(1)
+    best: tuple[int, torch.nn.Module] | None = None
+    seen = 0
+    while frame is not None and depth > 0 and seen < frames:
+        depth -= 1
+        if (
+            not frame.f_code.co_filename.endswith(_OWN_FRAMES[1])
+            and _OWN_FRAMES[0] not in frame.f_code.co_filename
+        ):
+            seen += 1
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, torch.nn.Module):
+                    count = sum(p.numel() for p in value.parameters())
+                    if count and (best is None or count > best[0]):
+                        best = (count, value)
+        frame = frame.f_back  # type: ignore[assignment]
+    return best[1] if best is not None else None
+
+
 class StepChecklist:
     """The checklist of one dumped step, started with the capture and written with the step's files.
 

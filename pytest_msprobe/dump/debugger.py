@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from pytest_msprobe.dump import threads
-from pytest_msprobe.dump.checklist import StepChecklist
+from pytest_msprobe.dump.checklist import StepChecklist, caller_model
 from pytest_msprobe.dump.config import DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
 from pytest_msprobe.dump.recorder import Recorder
@@ -175,7 +175,7 @@ class PrecisionDebugger:
                 self._checklist = StepChecklist(
                     self.current_step, current_rank(), _device_of(self.model), self.checklist_env
                 )
-            self._checklist.start(self.model)
+            self._checklist.start(self.model if self.model is not None else caller_model())
             if self._checklist.wants_first_call():
                 recorder.on_first_call = self._checklist.first_call
             if config.modules and self.model is not None:

@@ -95,11 +95,37 @@ def test_what_a_step_records(run: Path) -> None:
     assert doc["data"]["tensors"]["args.0"]["shape"] == [2, 3, 6, 6]
 
 
-def test_without_a_model_the_batch_is_the_first_calls_first_input(tmp_path: Path) -> None:
+def test_without_a_model_the_callers_model_is_found(tmp_path: Path) -> None:
     doc = read_checklist(_dump(tmp_path / "d", steps=1, model_to_start=False) / "step0" / "rank")
+    assert doc is not None and "c1.weight" in doc["parameters"]  # the loop's local `model`
+    assert doc["data"]["source"] == "the model's forward"
+
+
+def test_with_no_model_in_sight_the_batch_is_the_first_calls_first_input(tmp_path: Path) -> None:
+    net = _Net()
+    forward, params = net.forward, list(net.parameters())
+    del net
+
+    def loop(forward, params) -> None:  # no Module among its locals, nor its caller's
+        debugger = PrecisionDebugger(dump_path=str(tmp_path / "d"), task="statistics", level="L1", step=[0])
+        x = torch.ones(2, 3, 6, 6)
+        debugger.start()
+        forward(x).sum().backward()
+        torch.optim.SGD(params, lr=0.1).step()
+        debugger.stop()
+        debugger.close()
+
+    loop(forward, params)
+    doc = read_checklist(tmp_path / "d" / "step0" / "rank")
     assert doc is not None and "parameters" not in doc
     assert doc["data"]["source"] == "the first recorded call, Functional.conv2d.0.forward"
-    assert list(doc["data"]["tensors"]) == ["args.0"]
+    assert list(doc["data"]["tensors"]) == ["args.0"] and doc["data"]["tensors"]["args.0"]["shape"] == [
+        2,
+        3,
+        6,
+        6,
+    ]
+    assert doc["optimizers"][0]["class"] == "SGD"
 
 
 def test_weights_are_exact_at_step_0_and_held_to_their_tolerance_later(run: Path, tmp_path: Path) -> None:
@@ -124,6 +150,13 @@ def test_weights_are_exact_at_step_0_and_held_to_their_tolerance_later(run: Path
     # when step 1 was compared call by call, what changed the weights during it was compared: not again
     followed = compare_checklists(_pairs(_edit(run, tmp_path / "d", 2, change), run), Thresholds())
     assert followed.passed
+
+    def buffer(doc: dict) -> None:  # buffers are held at every step
+        fp = doc["buffers"]["bn.running_var"]
+        fp["crc32"], fp["max"] = "00000000", fp["max"] * 2
+
+    changed = compare_checklists(_pairs(_edit(run, tmp_path / "e", 2, buffer), run), Thresholds())
+    assert [(d.kind, d.name, d.step) for d in changed.failures] == [("buffer", "bn.running_var", 2)]
 
 
 def test_the_batch_is_exact_at_every_step(run: Path, tmp_path: Path) -> None:
