@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklist import decode_number, read_checklist
+from pytest_msprobe.format.files import read_json
 
 STRUCTURE, HYPERPARAMETER, PARAMETER, BUFFER, DATA = (
     "structure",
@@ -449,6 +450,76 @@ def _tensors(
     return found
 
 
+def _changed_outside(
+    candidates: list[Difference],
+    previous: tuple[Path, Path, dict[str, Any], dict[str, Any]],
+    t_doc: Mapping[str, Any],
+    b_doc: Mapping[str, Any],
+) -> list[Difference]:
+    """Of the weights that differ at the start of a step after a compared step, those that changed on the target
+    outside the recorded calls: they moved during the previous step, and no recorded call of it gave out their
+    new values (an optimizer's update gives out the updated weight), while the baseline's moved that way or not
+    at all. A weight its optimizer updated from rounding noise moves far, but through a recorded call."""
+    found = []
+    t_prev_dump, b_prev_dump, t_prev, b_prev_doc = previous
+    outputs: tuple[set[tuple[float, float]], set[tuple[float, float]]] | None = None
+    for d in candidates:
+        prev, now = (t_prev.get("parameters") or {}).get(d.name), (t_doc.get("parameters") or {}).get(d.name)
+        if not isinstance(prev, dict) or not isinstance(now, dict) or prev.get("crc32") == now.get("crc32"):
+            continue
+        if outputs is None:  # read only when a weight needs it
+            outputs = _recorded_outputs(t_prev_dump), _recorded_outputs(b_prev_dump)
+        if _extremes(now) in outputs[0]:
+            continue  # a recorded update left it so
+        b_prev, b_now = (
+            (b_prev_doc.get("parameters") or {}).get(d.name),
+            (b_doc.get("parameters") or {}).get(d.name),
+        )
+        if not isinstance(b_prev, dict) or not isinstance(b_now, dict):
+            continue
+        if b_prev.get("crc32") != b_now.get("crc32") and _extremes(b_now) not in outputs[1]:
+            continue  # the baseline's updates give out nothing to go by either (a fused optimizer)
+        found.append(
+            replace(
+                d,
+                detail=f"{d.detail}; it changed after step {(d.step or 1) - 1}'s recorded calls (none of them "
+                "gives out these values): a change made outside the dumped calls",
+            )
+        )
+    return found
+
+
+def _extremes(fp: Mapping[str, Any]) -> tuple[float, float]:
+    low, high = decode_number(fp.get("min")), decode_number(fp.get("max"))
+    return (low if low is not None else math.nan, high if high is not None else math.nan)
+
+
+def _recorded_outputs(dump_json: Path) -> set[tuple[float, float]]:
+    """(Min, Max) of every tensor a dump's calls give out (forward outputs, in-place updates included)."""
+    doc = read_json(dump_json if dump_json.suffix == ".json" else dump_json / "dump.json")
+    found: set[tuple[float, float]] = set()
+    data = doc.get("data") if isinstance(doc, dict) else None
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            if "Max" in value and "Min" in value:
+                low, high = decode_number(value.get("Min")), decode_number(value.get("Max"))
+                if low is not None and high is not None:
+                    found.add((low, high))
+                return
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    if isinstance(data, dict):
+        for record in data.values():
+            if isinstance(record, dict):
+                walk(record.get("output"))
+    return found
+
+
 def _data(
     t: Mapping[str, Any], b: Mapping[str, Any], step: int | None, rank: int | None
 ) -> tuple[list[Difference], str | None]:
@@ -512,6 +583,7 @@ def compare_checklists(
     msprobe dump has none); a checklist that is there but broken raises DumpFormatError naming it.
     """
     read: list[tuple[dict[str, Any], dict[str, Any], int | None, int | None]] = []
+    dumps: dict[tuple[int | None, int | None], tuple[Path, Path, dict[str, Any], dict[str, Any]]] = {}
     unchecked: list[str] = []
     for t_path, b_path, step, rank in pairs:
         t_doc, b_doc = read_checklist(t_path), read_checklist(b_path)
@@ -522,6 +594,7 @@ def compare_checklists(
             unchecked.append(f"{_place(step, rank)}: {side} no checklist.json (a plain msprobe dump?)")
             continue
         read.append((t_doc, b_doc, step, rank))
+        dumps[(step, rank)] = (t_path, b_path, t_doc, b_doc)
     compared_steps: dict[int | None, set[int | None]] = {}
     for _, _, step, rank in read:
         compared_steps.setdefault(rank, set()).add(step)
@@ -551,15 +624,17 @@ def compare_checklists(
         previous_compared = step is not None and step - 1 in compared_steps.get(rank, set())
         # a weight after a compared step: its updates were compared call by call (and an update from rounding
         # noise moves it far while no call is wrong); buffers change through the calls they feed, checked always
-        held = (
-            ((BUFFER, "buffers"),) if previous_compared else ((PARAMETER, "parameters"), (BUFFER, "buffers"))
-        )
-        if held:
-            for kind, section in held:
-                for d in _tensors(kind, section, t_doc, b_doc, step, rank, thresholds):
-                    if (kind, rank, d.name) not in seen_values:
-                        seen_values.add((kind, rank, d.name))
-                        failing.append(d)
+        found: list[Difference] = []
+        if previous_compared and step is not None:  # unless it changed outside the calls that were compared
+            differ = _tensors(PARAMETER, "parameters", t_doc, b_doc, step, rank, thresholds)
+            found.extend(_changed_outside(differ, dumps[(step - 1, rank)], t_doc, b_doc))
+        else:
+            found.extend(_tensors(PARAMETER, "parameters", t_doc, b_doc, step, rank, thresholds))
+        found.extend(_tensors(BUFFER, "buffers", t_doc, b_doc, step, rank, thresholds))
+        for d in found:
+            if (d.kind, rank, d.name) not in seen_values:
+                seen_values.add((d.kind, rank, d.name))
+                failing.append(d)
         data, why_not = _data(t_doc, b_doc, step, rank)
         failing.extend(data)
         if why_not:

@@ -51,7 +51,10 @@ CNN_TEST = textwrap.dedent(
         data = [(torch.rand(4, 3, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
         if fault == "pixel":
             data[int(os.environ.get("FAULT_STEP", "0"))][0][1, 2, 3, 4] += 0.25
-        for x, y in data:
+        for i, (x, y) in enumerate(data):
+            if fault == "between" and i == 1:  # a weight changed between the steps, outside the dumped calls
+                with torch.no_grad():
+                    model.c2.weight.mul_(1.01)
             with msprobe.step(model):
                 loss = F.cross_entropy(model(x.to(msprobe.device)), y.to(msprobe.device))
                 opt.zero_grad()
@@ -129,6 +132,17 @@ def test_a_changed_batch_at_a_later_step_is_named_at_that_step(
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*first divergence: data (step 1): input args.0*"])
     assert _summary(pytester)["first_divergence"]["step"] == 1
+
+
+def test_a_weight_changed_between_two_compared_steps_is_named(
+    pytester: pytest.Pytester, baseline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAULT", "between")
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=baselines")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*first divergence: parameter c2.weight (before step 1): *a change made outside the dumped calls*"]
+    )
 
 
 def test_an_environment_difference_alone_passes_and_is_shown(
