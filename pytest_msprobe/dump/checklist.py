@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import threading
+import warnings
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -233,6 +234,33 @@ def caller_model(depth: int = 12, frames: int = 2) -> torch.nn.Module | None:
     return best[1] if best is not None else None
 
 
+def _is_module(obj: object) -> bool:
+    try:
+        return isinstance(obj, torch.nn.Module)
+    except Exception:  # a proxy whose __class__ raises
+        return False
+
+
+def model_of(groups: Sequence[Mapping[str, Any]]) -> torch.nn.Module | None:
+    """The module whose parameters an optimizer's param groups hold: of the live modules holding most of them,
+    the innermost (a model rather than its DistributedDataParallel wrapper, which names them ``module.*``)."""
+    import gc
+
+    wanted = {id(p) for group in groups for p in group.get("params", ())}
+    if not wanted:
+        return None
+    best: tuple[int, int, torch.nn.Module] | None = None
+    with warnings.catch_warnings():  # isinstance() on some objects warns (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        modules = [obj for obj in gc.get_objects() if _is_module(obj)]
+    for obj in modules:
+        ids = [id(p) for p in obj.parameters()]
+        overlap = sum(1 for i in ids if i in wanted)
+        if overlap and (best is None or (overlap, -len(ids)) > (best[0], best[1])):
+            best = (overlap, -len(ids), obj)
+    return best[2] if best is not None else None
+
+
 class StepChecklist:
     """The checklist of one dumped step, started with the capture and written with the step's files.
 
@@ -264,10 +292,7 @@ class StepChecklist:
             self.model = model
             self.doc = environment(self.extra_env)
             if model is not None:
-                self.doc["structure"] = structure(model)
-                self.doc["parameters"] = {n: fingerprint(p) for n, p in model.named_parameters()}
-                self.doc["buffers"] = {n: fingerprint(b) for n, b in model.named_buffers()}
-                self._param_ids = frozenset(id(p) for p in model.parameters())
+                self._fingerprint(model, "the step's start")
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_step))
@@ -275,6 +300,14 @@ class StepChecklist:
             self._handles.append(
                 self.model.register_forward_pre_hook(self._forward, with_kwargs=True, prepend=True)
             )
+
+    def _fingerprint(self, model: torch.nn.Module, taken: str) -> None:
+        self.model = model
+        self.doc["structure"] = structure(model)
+        self.doc["parameters"] = {n: fingerprint(p) for n, p in model.named_parameters()}
+        self.doc["buffers"] = {n: fingerprint(b) for n, b in model.named_buffers()}
+        self.doc["taken"] = taken  # the buffers as the forward left them, when found at the optimizer's step
+        self._param_ids = frozenset(id(p) for p in model.parameters())
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -314,6 +347,10 @@ class StepChecklist:
         ):
             return  # another model's optimizer
         self._seen.add(id(optimizer))
+        if self.model is None:  # no model given nor in sight: the one whose weights this optimizer updates
+            found = model_of(groups)
+            if found is not None:  # its weights as the step started: only the optimizer changes them
+                self._fingerprint(found, "the first optimizer step")
         self.optimizers.append(
             {
                 "class": type(optimizer).__name__,

@@ -119,6 +119,7 @@ class PrecisionDebugger:
             checklist_env
         )  # environment variables the checklist records beyond its own
         self._checklist: StepChecklist | None = None
+        self._checklist_model: torch.nn.Module | None = None  # the model the checklist found, when not given
         self._patcher = ApiPatcher()
         self._recorder: Recorder | None = None
         self._engine: StatEngine | None = None
@@ -175,7 +176,9 @@ class PrecisionDebugger:
                 self._checklist = StepChecklist(
                     self.current_step, current_rank(), _device_of(self.model), self.checklist_env
                 )
-            self._checklist.start(self.model if self.model is not None else caller_model())
+            if self.model is None and self._checklist_model is None:
+                self._checklist_model = caller_model()
+            self._checklist.start(self.model if self.model is not None else self._checklist_model)
             if self._checklist.wants_first_call():
                 recorder.on_first_call = self._checklist.first_call
             if config.modules and self.model is not None:
@@ -361,6 +364,10 @@ class PrecisionDebugger:
             "dump_data_dir": os.fspath(folder / TENSOR_DIR) if config.save_tensors else None,
         }
         checklist = self._checklist.document() if self._checklist is not None else None
+        if self._checklist is not None and self.model is None and self._checklist.model is not None:
+            self._checklist_model = (
+                self._checklist.model
+            )  # found at its optimizer step: at the start from now on
         writer = self._writer
         if writer is not None:
             writer.save()  # the snapshots, into the staging folder (long: it may be interrupted, then dropped)
