@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import fault_cases as fc  # noqa: E402
+import fault_cases as fc
 
-from pytest_msprobe import PrecisionDebugger, seed_all  # noqa: E402
-from pytest_msprobe.compare import compare  # noqa: E402
+from pytest_msprobe import PrecisionDebugger, seed_all
+from pytest_msprobe.compare import compare
 
 WEIGHT = {"cnn": "block1.conv1.weight", "transformer": "layers.0.attn.q.weight"}
 Case = tuple[str, str, str | None, int | None]  # (case, kind, name, step) of the truth
