@@ -25,6 +25,7 @@ from pytest_msprobe.compare.result import (
     shape_differs,
     unmatched_share,
 )
+from pytest_msprobe.format.names import scope_key
 from pytest_msprobe.report.text import call_site, first_unmatched_text
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
@@ -265,6 +266,30 @@ _CHECKLIST_NEXT = {
 }
 
 
+def next_steps(result: CompareResult, fd: Divergence) -> str:
+    """What to dump next, as msprobe's guide goes: the step where it diverges, at mix level, the suspect's
+    tensors, then the suspect alone (its own error against a float64 replay)."""
+    api = scope_key(fd.api)  # both directions of the call
+    step = fd.step if fd.step is not None else 0
+    if result.mode != "tensor":
+        first = (
+            f"dump step {step} again with task='tensor' and list=['{api}'] (only the suspect's tensors), "
+            f"at level 'mix' to see the module it runs in"
+        )
+    else:
+        first = f"the suspect's tensors are in this dump (step {step})"
+    tail = (
+        "then replay it alone in float64 (pytest-msprobe replay DUMP -o OUT, or --msprobe-self-check) to "
+        "confirm that its own error, not its inputs', is out of line"
+    )
+    if step > 0:
+        tail += (
+            f"; a divergence first seen at step {step} may have entered in step {step - 1}'s backward or "
+            "optimizer step: dump that step too if it was not"
+        )
+    return f"{first}; {tail}."
+
+
 def checklist_lines(result: CompareResult) -> list[str]:
     """The checklist part of the advisor: its differences (failures first), the context, what was not
     checked."""
@@ -359,6 +384,7 @@ def _call_advisor(result: CompareResult) -> str:
         f"{len(result.failures)} API call(s) breach in total, "
         f"{counts['apis_warning']} with warnings, {counts['apis_unmatched']} not matched.",
     ]
+    lines.append(f"Next steps: {next_steps(result, fd)}")
     breached = result.apis[fd.api_index]
     later = [a for a in result.failures if a is not breached][:10]
     if later:
