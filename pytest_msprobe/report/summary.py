@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult
+from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Overflow
 from pytest_msprobe.report.own import own_summary_dict
 
 
@@ -66,13 +66,32 @@ def coverage_dict(result: CompareResult) -> dict[str, Any]:
     }
 
 
+def overflow_dict(ov: Overflow | None) -> dict[str, Any] | None:
+    """summary.json's ``overflow``: the first call that overflows on the target only, None when none does."""
+    if ov is None:
+        return None
+    return {
+        "api": ov.api,
+        "step": ov.step,
+        "rank": ov.rank,
+        "where": ov.where,
+        "row": ov.row,
+        "output_row": ov.output_row,
+        "values": ov.values,
+        "dtype": ov.dtype,
+        "source": ov.source,
+        "reason": ov.reason,
+    }
+
+
 def summary_dict(result: CompareResult) -> dict[str, Any]:
     """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
     [the baseline's steps/ranks the target lacks], "coverage": {passed, max_unmatched, baseline_calls,
     unmatched_calls, baseline_rows, unmatched_rows, share, reason, over, first_unmatched}, "ranks": [per rank:
     rank, passed, apis, apis_error, first_error], "counts", "self_check": null | {gate, calls_checked,
-    calls_not_replayed, out_of_line: [{api, step, rank, reason}]}}``; ``first_divergence`` also has its
-    ``rule``."""
+    calls_not_replayed, out_of_line: [{api, step, rank, reason}]}, "overflow": null | {api, step, rank, where,
+    row, output_row, values, dtype, source, reason}}``; ``first_divergence`` also has its ``rule``, and for an
+    overflow its ``overflow`` (where it is first seen: ``parameter``, ``input`` or ``output``)."""
     fd = result.first_divergence
     failures = []
     for api in result.failures:
@@ -89,7 +108,9 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
             "rank": fd.rank,
             "reason": fd.reason,
             "rule": fd.rule,
+            **({"overflow": fd.overflow} if fd.overflow is not None else {}),
         },
+        "overflow": overflow_dict(result.overflow),
         "failures": failures,
         "missing": list(result.missing),
         "coverage": coverage_dict(result),
