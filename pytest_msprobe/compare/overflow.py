@@ -4,9 +4,11 @@ A record's tensor holds inf/nan when its Max or Min is inf or nan (they are exac
 carries them too), or its Mean or Norm is nan. A call *overflows* when one of its outputs does (a forward call's
 output, a backward record's outgoing gradients, a module's parameter gradients); in a compare, only where the
 baseline's same output does not (an overflow both runs have, such as a loss scaler's probe, is not the
-target's), and a call only the target makes counts. Two kinds of infinity are not overflows: a fill the call
-was given as an argument (``masked_fill(mask, float('-inf'))``, ``torch.full(..., -inf)``) and, after one, the
-same infinities carried on by later calls (the scores plus a ``-inf`` mask); a nan is always counted.
+target's), and a call only the target makes counts. Without a baseline (the self-check), two kinds of
+infinity are not overflows: a fill the call was given as an argument (``masked_fill(mask, float('-inf'))``,
+``torch.full(..., -inf)``) and, after one, the same infinities carried on by later calls (the scores plus a
+``-inf`` mask); a nan is always counted. With a baseline, a fill it has too is no new overflow, and one it
+lacks is the target's doing.
 
 Where the first overflow is seen, as msprobe's guide sorts it (:data:`~pytest_msprobe.compare.result.OVERFLOW_PLACES`):
 
@@ -191,9 +193,11 @@ def _new_outputs(call: CallView) -> list[int]:
     ]
 
 
-def find_overflow(calls: Sequence[CallView]) -> Found | None:
+def find_overflow(calls: Sequence[CallView], fills: bool = False) -> Found | None:
     """The first call (in the order given: execution order) that overflows, and where (the module
-    docstring's rules); None when none does."""
+    docstring's rules); None when none does. ``fills``: leave out the infinities of fills and those carried
+    on from them (without a baseline; with one, a fill the baseline has too is no new overflow anyway, and
+    one it lacks is the target's doing)."""
     filled: set[tuple[int | None, int | None]] = set()  # the dumps (step, rank) in which a fill was seen
     for n, call in enumerate(calls):
         new = _new_outputs(call)
@@ -203,7 +207,9 @@ def find_overflow(calls: Sequence[CallView]) -> Found | None:
         real = []
         for k in new:
             out = call.leaves[k]
-            if _fill(call, out):
+            if not fills:
+                real.append(k)
+            elif _fill(call, out):
                 filled.add(place)
             elif not (place in filled and _carried(call, out)):
                 real.append(k)
@@ -344,7 +350,7 @@ def compare_overflow(apis: Sequence[ApiResult], rows: Sequence[RowResult]) -> Ov
 
 def dump_overflow(calls: Sequence[CallView]) -> Overflow | None:
     """The first call of a dump (no baseline: ``CallView.baseline`` all None) that overflows."""
-    found = find_overflow(calls)
+    found = find_overflow(calls, fills=True)
     if found is None:
         return None
     call = calls[found.call]

@@ -130,6 +130,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         f"{c['apis_error']} of {c['apis']} API calls breach"
     ]
     lines.extend(coverage_lines(result, "--max-unmatched=SHARE"))
+    lines.append(compare_overflow_line(result))
     fd = result.first_divergence
     if fd is not None:
         lines.extend(
@@ -182,6 +183,8 @@ def failure_message(
             lines.append(f"of what was compared, {counts}")
     else:
         lines = [f"msprobe: {lacking}{counts}"]
+    if result.overflow is not None:
+        lines.append(compare_overflow_line(result))
     fd = result.first_divergence
     if fd is not None:
         lines.extend(_divergence_lines(fd, f"step {fd.step}, rank {fd.rank}"))
@@ -216,6 +219,18 @@ OVERFLOW_PLACE_TEXT = {
     "input": "an input no recorded call made holds it: a call that was not recorded made it",
     "output": "its inputs are finite: this call is the suspect",
 }
+
+
+def compare_overflow_line(result: CompareResult) -> str:
+    """``overflow: X (step 0, rank 0) is the first call whose output holds inf/nan on the target and not on the
+    baseline; where: output (...)``, or that no call's does."""
+    ov = result.overflow
+    if ov is None:
+        return "overflow: no call's output holds inf/nan on the target where the baseline's does not"
+    return (
+        f"overflow: {ov.api} ({_where(ov.step, ov.rank) or 'the dump'}) is the first call whose output holds "
+        f"inf/nan on the target and not on the baseline; where: {ov.where} ({OVERFLOW_PLACE_TEXT[ov.where]})"
+    )
 
 
 def overflow_lines(result: SelfCheckResult) -> list[str]:

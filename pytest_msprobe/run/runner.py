@@ -202,6 +202,8 @@ class MsprobeRun:
                     summary_mode="md5" if md5 else None,
                     max_dump_size=test.max_dump_size,
                     self_check=test.self_check,
+                    # the gate holds every overflow of the target against the baseline's, not just the first
+                    overflow_nums=-1 if test.task == "overflow_check" else None,
                 )
             self._determinism = _Determinism.save()
             seed_all(seed=test.seed, mode=True)
