@@ -22,6 +22,7 @@ from pytest_msprobe.compare.result import (
     Divergence,
     SelfCheckResult,
     fmt_number,
+    is_tensor,
     row_metric,
     unmatched_share,
 )
@@ -226,6 +227,12 @@ def compare_overflow_line(result: CompareResult) -> str:
     baseline; where: output (...)``, or that no call's does."""
     ov = result.overflow
     if ov is None:
+        tensors = [r.target for r in result.rows if is_tensor(r.target)]
+        if tensors and all(t.max is None and t.min is None for t in tensors):
+            return (
+                "overflow: not checked: the target's records hold no statistics (Max, Min) to see inf/nan in "
+                "(an md5 dump without them); dump with task statistics or overflow_check"
+            )
         return "overflow: no call's output holds inf/nan on the target where the baseline's does not"
     return (
         f"overflow: {ov.api} ({_where(ov.step, ov.rank) or 'the dump'}) is the first call whose output holds "

@@ -200,3 +200,18 @@ def test_the_self_check_leaves_a_minus_inf_mask_fill_alone(tmp_path: Path) -> No
     assert result.overflow is None
     nan = check_dump(dump(tmp_path / "n", mask=True, factor=1e5, self_check=True))
     assert nan.overflow is not None and nan.overflow.api == "Tensor.__mul__.0.forward"
+
+
+def test_md5_records_without_statistics_say_the_overflow_was_not_checked(tmp_path: Path) -> None:
+    def write(name: str, crc: str) -> Path:
+        item = {"type": "torch.Tensor", "dtype": "torch.float16", "shape": [4], "Max": None, "Min": None}
+        item.update({"Mean": None, "Norm": None, "requires_grad": False, "md5": crc})
+        folder = tmp_path / name / "step0" / "rank"
+        folder.mkdir(parents=True)
+        data = {"Functional.relu.0.forward": {"input_args": [item], "input_kwargs": {}, "output": [item]}}
+        (folder / "dump.json").write_text(json.dumps({"task": "statistics", "level": "L1", "data": data}))
+        return tmp_path / name
+
+    result = compare(write("t", "0000abcd"), write("b", "0000abcd"), jobs=1)
+    assert result.overflow is None
+    assert "overflow: not checked: the target's records hold no statistics" in console_summary(result)
