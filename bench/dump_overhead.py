@@ -57,6 +57,8 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "statistics_L0": ("statistics", "L0"),
     "statistics_mix": ("statistics", "mix"),
     "md5_L1": ("md5", "L1"),
+    # the step recorded as for statistics; only the calls whose outputs hold inf/nan written (none here)
+    "overflow_check_L1": ("overflow_check", "L1"),
     "tensor_L1": ("tensor", "L1"),
 }
 

@@ -4,6 +4,10 @@ Over all compared API calls in execution order (forward, then backward; steps; r
 collectives they share, see :mod:`pytest_msprobe.compare.rank_order`), the first of these rules that applies
 places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
 
+00. *overflow*: the earliest call whose output holds inf/nan on the target while the baseline's does not (see
+   :mod:`pytest_msprobe.compare.overflow`), with where the inf/nan is first seen (a weight, an input no recorded
+   call made, or its own output): whatever else breaches, an overflow is where to look first.
+
 0. *out of line*: where calls have own errors (each call's output against the float64 replay of its own
    inputs, see :mod:`pytest_msprobe.compare.own`), the earliest call whose own error is out of line, at any
    step and whatever flowed into it, unless rule 1 finds a call without own errors earlier.
@@ -44,11 +48,13 @@ from pytest_msprobe.compare.result import (
     INCONSISTENT,
     INHERITED,
     OUT_OF_LINE,
+    OVERFLOW,
     ROUNDING,
     STRUCTURAL,
     UNMATCHED,
     ApiResult,
     Divergence,
+    Overflow,
     OwnVerdict,
     RowResult,
     fmt_number,
@@ -73,6 +79,7 @@ def first_divergence(
     self_check: bool = False,
     noise: Collection[int] = (),
     relations: Mapping[int, str] | None = None,
+    overflow: Overflow | None = None,
 ) -> Divergence | None:
     """Where the error enters (see the module docstring). ``feeds[i]`` are the calls whose tensors call ``i``
     also reads (a backward call's forward call; a parameters_grad's module backward); the inputs of the
@@ -84,7 +91,20 @@ def first_divergence(
     its own only with ``self_check`` (then it fails the compare), otherwise where something breaches.
     ``noise`` are the rows whose difference is too small to measure (every value within atol): as inputs they
     do not match the baseline, they are unknown. ``relations[i]`` says how call ``i``'s statistics break a
-    relation on the target that they keep on the baseline."""
+    relation on the target that they keep on the baseline. ``overflow`` is the first call that overflows on the
+    target only (rule 00), where there is one."""
+    if overflow is not None and overflow.api_index is not None and overflow.row_index is not None:
+        return Divergence(
+            overflow.api,
+            overflow.row,
+            overflow.step,
+            overflow.rank,
+            overflow.reason,
+            OVERFLOW,
+            overflow.api_index,
+            overflow.row_index,
+            overflow.where,
+        )
     own = own or {}
     calls = _Calls(apis, rows, feeds, opaque, peers or {}, frozenset(noise))
     compared = sorted((api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED)

@@ -19,7 +19,8 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pytest_msprobe.compare.records import read_stack
+from pytest_msprobe.compare.overflow import CallView, dump_overflow, entry_views
+from pytest_msprobe.compare.records import read_dump, read_stack
 from pytest_msprobe.compare.result import (
     ApiResult,
     OwnVerdict,
@@ -152,14 +153,18 @@ def check_dump(path: str | os.PathLike[str], thresholds: Thresholds | None = Non
 
     Every dump.json of ``path`` must have its ``self_check.json`` (written with ``--msprobe-self-check``):
     one without it raises DumpFormatError naming it, since a gate that checked only part of the run would
-    pass for the wrong reason.
+    pass for the wrong reason. The first call whose output holds inf/nan (see
+    :mod:`pytest_msprobe.compare.overflow`) fails the check too (``SelfCheckResult.overflow``).
 
         >>> check_dump("out/dump").out_of_line[0].name     # doctest: +SKIP
         'Functional.relu.2.forward'
     """
     thresholds = thresholds or Thresholds()
     calls: list[SelfCheckCall] = []
+    views: list[CallView] = []
     for loc in discover(path):
+        # a call whose output holds inf/nan is no precision pass, whatever its own error says
+        views.extend(entry_views(read_dump(loc).entries, loc.step, loc.rank))
         own = read_own_errors(loc.path)
         if own is None:
             raise DumpFormatError(loc.path, f"no {SELF_CHECK_JSON} beside it: {NO_OWN_ERRORS}")
@@ -171,7 +176,7 @@ def check_dump(path: str | os.PathLike[str], thresholds: Thresholds | None = Non
             parts = parse_name(name)
             stack = stacks.get(name) or stacks.get(parts.with_direction(FORWARD)) or []
             calls.append(SelfCheckCall(name, loc.step, loc.rank, v, tuple(stack)))
-    return SelfCheckResult(os.fspath(path), tuple(calls))
+    return SelfCheckResult(os.fspath(path), tuple(calls), dump_overflow(views))
 
 
 def _recorded_order(dump_json: Path, own: Mapping[str, CallOwn]) -> list[str]:

@@ -22,6 +22,8 @@ from pytest_msprobe.format.layout import STACK_JSON, TENSOR_DIR, DumpLocation, m
 from pytest_msprobe.format.names import NameParts, is_parameters_grad, parse_name
 
 INPUT, OUTPUT, PARAMETER = "input", "output", "parameter"
+OVERFLOW_CHECK = "overflow_check"  # msprobe's task that writes only the calls whose outputs hold inf/nan
+TASKS = ("statistics", "tensor", OVERFLOW_CHECK)
 TENSOR, NONE, VALUE = "tensor", "none", "value"
 
 
@@ -70,7 +72,7 @@ class Dump:
     """A parsed dump.json."""
 
     location: DumpLocation
-    task: str  # "statistics" or "tensor"
+    task: str  # "statistics", "tensor" or "overflow_check"
     level: str | None
     has_md5: bool
     entries: tuple[ApiEntry, ...]
@@ -126,10 +128,13 @@ def check_document(path: Path, doc: Any) -> tuple[dict[str, Any], str, str | Non
     if not isinstance(data, dict):
         raise DumpFormatError(path, f"'data' is {json_kind(data)}, expected an object of API calls")
     task = doc.get("task") or "statistics"
-    if task not in ("statistics", "tensor"):
-        raise DumpFormatError(path, f"unsupported task {_short(task)} (expected 'statistics' or 'tensor')")
-    if not data:
-        # nothing to compare is not a pass: a dump that recorded no call cannot vouch for any
+    if task not in TASKS:
+        raise DumpFormatError(
+            path, f"unsupported task {_short(task)} (expected 'statistics', 'tensor' or 'overflow_check')"
+        )
+    if not data and task != OVERFLOW_CHECK:
+        # nothing to compare is not a pass: a dump that recorded no call cannot vouch for any (an overflow_check
+        # dump holds the overflowing calls only: empty, it says none overflowed)
         raise DumpFormatError(path, "'data' is empty: no API call was recorded")
     level = doc.get("level")
     return data, task, level if isinstance(level, str) else None

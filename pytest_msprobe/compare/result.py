@@ -43,7 +43,14 @@ INCONSISTENT = (
 GROWS = "grows"  # errors flow in everywhere: the earliest call that amplifies its input error
 INHERITED = "inherited"  # the earliest breaching call: its inputs already differ
 ROUNDING = "rounding"  # no call is out of line: the difference builds up from rounding
-RULES = (OUT_OF_LINE, ENTERS, STRUCTURAL, INCONSISTENT, GROWS, INHERITED, ROUNDING)
+OVERFLOW = "overflow"  # the earliest call whose output holds inf/nan on the target and not on the baseline
+RULES = (OVERFLOW, OUT_OF_LINE, ENTERS, STRUCTURAL, INCONSISTENT, GROWS, INHERITED, ROUNDING)
+
+# where an overflow is first seen (Overflow.where, Divergence.overflow), as msprobe's guide sorts them
+OVERFLOW_PARAMETER = "parameter"  # a weight already holds inf/nan: the previous step's backward / update
+OVERFLOW_INPUT = "input"  # an input holds inf/nan that no recorded call made: a call that was not recorded
+OVERFLOW_OUTPUT = "output"  # finite inputs, inf/nan output: this call is the suspect
+OVERFLOW_PLACES = (OVERFLOW_PARAMETER, OVERFLOW_INPUT, OVERFLOW_OUTPUT)
 
 
 def worst(statuses: Any) -> str:
@@ -123,6 +130,30 @@ class Divergence:
     rule: str  # one of RULES
     api_index: int
     row_index: int
+    overflow: str | None = None  # rule OVERFLOW: one of OVERFLOW_PLACES
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """The first call whose output holds inf/nan (on the target and not on the baseline, in a compare), and
+    where the inf/nan is first seen (``where``, one of :data:`OVERFLOW_PLACES`): ``row`` is the row that holds
+    it first (an input or parameter for ``parameter`` and ``input``, the output for ``output``), ``output_row``
+    the overflowing output; ``values`` the statistics that show it (``Max inf, Min -inf``); ``source`` the
+    recorded call whose output the overflowing input is, where one is. ``api_index`` / ``row_index`` point into
+    :class:`CompareResult` (None in the self-check without a baseline)."""
+
+    api: str
+    step: int | None
+    rank: int | None
+    where: str
+    row: str
+    output_row: str
+    values: str
+    dtype: str | None
+    reason: str
+    api_index: int | None = None
+    row_index: int | None = None
+    source: str | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +287,9 @@ class CompareResult:
     own: dict[int, OwnVerdict] = field(default_factory=dict)  # apis index -> own errors, where there are
     self_check: bool = False  # whether an out-of-line call fails the compare (the self-check was asked for)
     checklist: ChecklistResult | None = None  # what differs before any call: data, weights, settings
+    overflow: Overflow | None = (
+        None  # the first call that overflows on the target only (it fails the compare)
+    )
 
     @property
     def passed(self) -> bool:
@@ -268,6 +302,7 @@ class CompareResult:
             and not any(api.status == ERROR for api in self.apis)
             and not (self.self_check and self.out_of_line)
             and (self.checklist is None or self.checklist.passed)
+            and self.overflow is None
         )
 
     @property
@@ -419,6 +454,7 @@ class SelfCheckResult:
 
     dump: str
     calls: tuple[SelfCheckCall, ...]  # in execution order: steps, ranks, then each dump's own order
+    overflow: Overflow | None = None  # the dump's first call whose output holds inf/nan (it fails the check)
 
     @property
     def out_of_line(self) -> list[SelfCheckCall]:
@@ -426,7 +462,7 @@ class SelfCheckResult:
 
     @property
     def passed(self) -> bool:
-        return not self.out_of_line
+        return not self.out_of_line and self.overflow is None
 
     @property
     def checked(self) -> int:

@@ -8,6 +8,7 @@ measured and the first divergence found.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Sequence
@@ -24,15 +25,19 @@ from pytest_msprobe.compare.explain import (
     explain_noise_updates,
     explain_structural,
 )
+from pytest_msprobe.compare.overflow import compare_overflow
 from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
 from pytest_msprobe.compare.records import OUTPUT, read_dump, read_stack
 from pytest_msprobe.compare.result import (
+    ERROR,
+    NONFINITE,
     UNMATCHED,
     ApiResult,
     CompareResult,
     Coverage,
     DumpPair,
+    Overflow,
     PairCoverage,
     RowResult,
 )
@@ -106,6 +111,9 @@ def compare(
     checklist = compare_checklists(
         [(t_loc.path, b_loc.path, t_loc.step, t_loc.rank) for t_loc, b_loc in pairs], thresholds
     )
+    overflow = compare_overflow(apis, rows)
+    if overflow is not None:
+        mark_overflow(apis, rows, overflow)
     coverage = measure_coverage(rows, apis, builder.pairs, thresholds.max_unmatched)
     tensors = replay and builder.mode == "tensor"
     t_own = [load_own(t_loc.path, tensors) for t_loc, _ in pairs]
@@ -130,6 +138,7 @@ def compare(
         self_check,
         noise_rows(rows, thresholds),
         relation_breaks(apis, rows),
+        overflow,
     )
     stacks: dict[str, tuple[str, ...]] = {}
     if stack:
@@ -158,7 +167,22 @@ def compare(
         own=own,
         self_check=self_check,
         checklist=checklist,
+        overflow=overflow,
     )
+
+
+def mark_overflow(apis: list[ApiResult], rows: list[RowResult], overflow: Overflow) -> None:
+    """Make the overflowing call an error (a call only the target makes, unmatched so far, too), with the row
+    that holds the inf/nan first: it fails the compare, and the counts and reports say so."""
+    assert overflow.api_index is not None and overflow.row_index is not None
+    i, j = overflow.api_index, overflow.row_index
+    reason = f"overflow ({overflow.where}): {overflow.reason}"
+    if rows[j].status != ERROR:  # (an error row already says why: NaN/Inf on one side only)
+        rows[j] = dataclasses.replace(
+            rows[j], status=ERROR, reason=reason, problem=rows[j].problem or NONFINITE
+        )
+    if apis[i].status != ERROR:
+        apis[i] = dataclasses.replace(apis[i], status=ERROR, reason=reason, output_breach=True, worst_row=j)
 
 
 def noise_rows(rows: Sequence[RowResult], thresholds: Thresholds) -> frozenset[int]:

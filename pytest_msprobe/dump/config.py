@@ -24,7 +24,7 @@ from typing import Any
 from pytest_msprobe.errors import ConfigError, PathLike
 from pytest_msprobe.format.files import config_error, read_json
 
-TASKS = ("statistics", "tensor", "md5")
+TASKS = ("statistics", "tensor", "md5", "overflow_check")
 LEVELS = ("L0", "L1", "mix")
 DATA_MODES = ("all", "forward", "backward", "input", "output")
 SUMMARY_MODES = ("statistics", "md5")
@@ -135,9 +135,11 @@ _OTHER_TASK_SECTIONS = frozenset(_SECTION_KEYS)
 class DumpConfig:
     """What to dump and where.
 
-    ``task`` is the task written in dump.json (``statistics`` or ``tensor``); ``summary_mode`` ``md5`` adds a
-    CRC32 of every tensor (task ``md5`` in our arguments is ``statistics`` + ``md5``). ``steps`` / ``ranks`` of
-    ``None`` mean every step / rank. ``data_mode`` is the set of the four directions kept.
+    ``task`` is the task written in dump.json (``statistics``, ``tensor`` or ``overflow_check``); ``summary_mode``
+    ``md5`` adds a CRC32 of every tensor (task ``md5`` in our arguments is ``statistics`` + ``md5``). ``steps`` /
+    ``ranks`` of ``None`` mean every step / rank. ``data_mode`` is the set of the four directions kept.
+    ``overflow_nums`` (task ``overflow_check``): how many overflowing calls the dump keeps before it keeps no
+    more, -1 for all of them (msprobe's setting, default 1).
     """
 
     dump_path: Path
@@ -151,6 +153,7 @@ class DumpConfig:
     data_mode: frozenset[str] = frozenset({"forward", "backward", "input", "output"})
     max_dump_size: int | None = None  # bytes of tensor files the dump may take (None: no limit)
     self_check: bool = False  # replay each API call in float64 and record its own error (self_check.json)
+    overflow_nums: int = 1  # task overflow_check: overflowing calls kept (-1: all)
 
     @property
     def md5(self) -> bool:
@@ -159,6 +162,11 @@ class DumpConfig:
     @property
     def save_tensors(self) -> bool:
         return self.task == "tensor"
+
+    @property
+    def overflow_check(self) -> bool:
+        """Whether only the calls whose outputs hold inf/nan are written (task ``overflow_check``)."""
+        return self.task == "overflow_check"
 
     @property
     def modules(self) -> bool:
@@ -339,6 +347,7 @@ def build_config(
     summary_mode: str | None = None,
     max_dump_size: int | str | None = None,
     self_check: bool | None = None,
+    overflow_nums: int | None = None,
 ) -> DumpConfig:
     """Merge a config file (optional) with explicit arguments (which win) into a validated DumpConfig."""
     source = os.fspath(config_path) if config_path is not None else None
@@ -368,7 +377,7 @@ def build_config(
     rank_value, rank_src = pick("rank", rank)
 
     # the per-task section: "statistics" holds the md5 switch, as in msprobe
-    section_name = "tensor" if task_value == "tensor" else "statistics"
+    section_name = task_value if task_value in ("tensor", "overflow_check") else "statistics"
     section = file_data.get(section_name, {})
     if not isinstance(section, dict):
         raise ConfigError(f"{section_name}={section!r}{_where(source)}: expected a JSON object")
@@ -403,8 +412,21 @@ def build_config(
         summary_value = "statistics"
     else:
         summary_value = _check_choice("summary_mode", summary_value, SUMMARY_MODES, summary_src)
-        if task_value == "tensor" and summary_value == "md5":
+        if task_value in ("tensor", "overflow_check") and summary_value == "md5":
             raise ConfigError(f"summary_mode='md5'{_where(summary_src)}: only valid with task 'statistics'")
+
+    nums_value, nums_src = pick_section("overflow_nums", overflow_nums)
+    if nums_value is None:
+        nums_value = 1
+    if (
+        isinstance(nums_value, bool)
+        or not isinstance(nums_value, int)
+        or not (nums_value == -1 or nums_value >= 1)
+    ):
+        raise ConfigError(
+            f"overflow_nums={nums_value!r}{_where(nums_src)}: expected the number of overflowing calls to keep "
+            "(1 or more), or -1 for all of them"
+        )
 
     check_value, check_src = pick("self_check", self_check, False)
     if not isinstance(check_value, bool):
@@ -426,4 +448,5 @@ def build_config(
         data_mode=modes,
         max_dump_size=None if max_dump_size is None else parse_size(max_dump_size, "max_dump_size"),
         self_check=check_value,
+        overflow_nums=nums_value,
     )

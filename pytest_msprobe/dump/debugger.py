@@ -49,6 +49,7 @@ from pytest_msprobe.dump import threads
 from pytest_msprobe.dump.checklist import StepChecklist, caller_model
 from pytest_msprobe.dump.config import DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
+from pytest_msprobe.dump.overflow import keep_overflows, keep_stacks
 from pytest_msprobe.dump.recorder import Recorder
 from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.dump.signals import heal as heal_signal_handlers
@@ -74,8 +75,9 @@ class PrecisionDebugger:
 
     Arguments mirror msprobe's (``config_path``, ``task``, ``dump_path``, ``level``, ``model``, ``step``) plus the
     filters of its config.json (``rank``, ``scope``, ``list``, ``data_mode``, ``summary_mode``); explicit
-    arguments override the file. ``task`` is ``"statistics"``, ``"tensor"`` or ``"md5"`` (statistics plus a
-    CRC32 of every tensor). ``max_dump_size`` (``500MB``, ``2GiB`` or bytes) stops saving tensor files before
+    arguments override the file. ``task`` is ``"statistics"``, ``"tensor"``, ``"md5"`` (statistics plus a
+    CRC32 of every tensor) or ``"overflow_check"`` (only the calls whose outputs hold inf/nan, with their inputs;
+    ``overflow_nums``, msprobe's setting, is how many of them the dump keeps, -1 for all, default 1). ``max_dump_size`` (``500MB``, ``2GiB`` or bytes) stops saving tensor files before
     they take more than that: ``stop()`` raises :class:`~pytest_msprobe.errors.DumpSizeError`.
     """
 
@@ -96,6 +98,7 @@ class PrecisionDebugger:
         max_dump_size: int | str | None = None,
         self_check: bool | None = None,
         checklist_env: Sequence[str] = (),
+        overflow_nums: int | None = None,
     ) -> None:
         self.config: DumpConfig = build_config(
             config_path,
@@ -110,6 +113,7 @@ class PrecisionDebugger:
             summary_mode=summary_mode,
             max_dump_size=max_dump_size,
             self_check=self_check,
+            overflow_nums=overflow_nums,
         )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model={type(model).__name__}: expected a torch.nn.Module")
@@ -131,6 +135,9 @@ class PrecisionDebugger:
         self._started = False
         self._closed = False
         self._owner: int | None = None  # the thread that started the capture
+        # task overflow_check: the overflowing calls each step's files kept (a step stopped twice is rewritten
+        # whole, so it is counted once); read and written by the writer thread only, one step at a time
+        self._overflows: dict[int, int] = {}
 
     # -- the msprobe calls ---------------------------------------------------------------------------------------
 
@@ -373,6 +380,8 @@ class PrecisionDebugger:
             writer.save()  # the snapshots, into the staging folder (long: it may be interrupted, then dropped)
         _sync_devices()  # the copies and statistics launched on the training thread's streams are done
 
+        step = self.current_step
+
         def write_files() -> None:
             engine.flush()
             if writer is not None:
@@ -380,9 +389,12 @@ class PrecisionDebugger:
             construct = recorder.construct if config.modules else {}
             check = recorder.self_check
             own = (check.own_errors(recorder.data), check.device) if check is not None else None
+            data, stacks = recorder.data, recorder.stacks.render()
+            if config.overflow_check:
+                data, stacks = self._overflowing(step, data, stacks)
             if checklist is not None:
                 write_checklist_file(folder, checklist)
-            write_step_files(folder, header, recorder.data, recorder.stacks.render(), construct, own)
+            write_step_files(folder, header, data, stacks, construct, own)
 
         self._files.wait()  # one step at a time; an earlier step's failure is reported before this one goes
         with deferred_signals():
@@ -390,6 +402,17 @@ class PrecisionDebugger:
             # capture of the step stages its new files with a new writer)
             self._files.submit(write_files)
             self._writer = None
+
+    def _overflowing(
+        self, step: int, data: dict[str, Any], stacks: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The records (and stacks) of the step's calls that overflow, within what ``overflow_nums`` leaves."""
+        limit = self.config.overflow_nums
+        if limit != -1:
+            limit = max(0, limit - sum(n for s, n in self._overflows.items() if s != step))
+        kept = keep_overflows(data, limit)
+        self._overflows[step] = len(kept)
+        return kept, keep_stacks(stacks, kept)
 
 
 def _device_of(model: torch.nn.Module | None) -> str:

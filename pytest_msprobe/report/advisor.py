@@ -14,6 +14,7 @@ from pytest_msprobe.compare.result import (
     INCONSISTENT,
     OUT_OF_LINE,
     OUTPUT,
+    OVERFLOW,
     ROUNDING,
     UNMATCHED_CAUSES,
     ApiResult,
@@ -48,8 +49,73 @@ def _op_name(api: str) -> str:
     return parts[1] if len(parts) > 2 else api
 
 
+# the largest finite value of a dtype, for the overflow advice
+_RANGES = {
+    "float16": "float16 holds at most 65504",
+    "bfloat16": "bfloat16 has float32's range (about 3.4e38) with 8 bits of mantissa",
+    "float32": "float32 holds at most about 3.4e38",
+    "float8_e4m3fn": "float8_e4m3fn holds at most 448",
+    "float8_e5m2": "float8_e5m2 holds at most 57344",
+}
+
+
+def overflow_advice(result: CompareResult, fd: Divergence) -> str:
+    """The guide's next steps for an overflow: which step to dump, at which level, what to check."""
+    ov = result.overflow
+    assert ov is not None
+    step = fd.step
+    dtype = (ov.dtype or "").rsplit(".", 1)[-1]
+    dump_step = f"step {step}" if step is not None else "that step"
+    text = [f"{fd.api} is the first call that overflows on the target and not on the baseline: {ov.reason}."]
+    if ov.where == "parameter":
+        if step:
+            text.append(
+                f"The weight was broken before {dump_step} began: dump step {step - 1}, its backward and "
+                "optimizer step (level mix, or L1), and find the first gradient or update that holds inf/nan "
+                f"(task='overflow_check', overflow_nums=-1, step=[{step - 1}] writes just those calls). Check "
+                "the learning rate, gradient clipping (after unscaling) and the loss scale."
+            )
+        else:
+            text.append(
+                "The weight holds inf/nan at the first step dumped: check the weights the run starts from (a "
+                "loaded checkpoint, the initialisation), or dump earlier steps (task='overflow_check' over every "
+                "step finds the first overflowing one cheaply), then that step's backward and optimizer update."
+            )
+    elif ov.where == "input":
+        text.append(
+            f"A call that was not recorded made the inf/nan: dump {dump_step} again at level mix (modules and "
+            "APIs) or with the missing API in the dump's list, to find the operation between the last recorded "
+            "call and this one (an API outside the list, a fused or custom operator, an in-place write); check "
+            "the input data for inf/nan too."
+        )
+    else:
+        rng = _RANGES.get(dtype)
+        text.append(
+            f"This call is the suspect: dump {dump_step} with task='tensor' and list=['{_op_name(fd.api)}'] to "
+            "see which elements overflow and what it received, and run it alone on those inputs on both devices."
+        )
+        text.append(
+            (f"Check the dtype's range ({rng})" if rng else "Check the dtype's range")
+            + ": compute this call in float32 (an autocast list, an upcast before exp, pow, sum or a large "
+            "matmul), scale its inputs down, or use bfloat16, which has float32's range; in mixed precision "
+            "check the loss scale (a static scale too large overflows the gradients; a dynamic scaler should "
+            "skip the step and lower it)."
+        )
+    text.append(
+        "To find the first step that overflows on the target only, cheaply, run both sides with "
+        "task='overflow_check' (only the overflowing calls are written) over more steps, then dump that step "
+        "with statistics on both sides."
+    )
+    site = call_site(result.stacks.get(fd.api, ()))
+    if site:
+        text.append(f"Called from: {site}.")
+    return " ".join(text)
+
+
 def advice(result: CompareResult, fd: Divergence) -> str:
     """What the first divergence means and what to try, in a few sentences."""
+    if fd.rule == OVERFLOW and result.overflow is not None:
+        return overflow_advice(result, fd)
     api = result.apis[fd.api_index]
     row = result.rows[fd.row_index]
     backward = api.direction == "backward" or ".parameters_grad" in api.api

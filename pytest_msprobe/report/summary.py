@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult
+from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Overflow
 from pytest_msprobe.report.own import own_summary_dict
 
 
@@ -66,13 +66,32 @@ def coverage_dict(result: CompareResult) -> dict[str, Any]:
     }
 
 
+def overflow_dict(ov: Overflow | None) -> dict[str, Any] | None:
+    """summary.json's ``overflow``: the first call that overflows on the target only, None when none does."""
+    if ov is None:
+        return None
+    return {
+        "api": ov.api,
+        "step": ov.step,
+        "rank": ov.rank,
+        "where": ov.where,
+        "row": ov.row,
+        "output_row": ov.output_row,
+        "values": ov.values,
+        "dtype": ov.dtype,
+        "source": ov.source,
+        "reason": ov.reason,
+    }
+
+
 def summary_dict(result: CompareResult) -> dict[str, Any]:
     """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
     [the baseline's steps/ranks the target lacks], "coverage": {passed, max_unmatched, baseline_calls,
     unmatched_calls, baseline_rows, unmatched_rows, share, reason, over, first_unmatched}, "ranks": [per rank:
     rank, passed, apis, apis_error, first_error], "counts", "self_check": null | {gate, calls_checked,
     calls_not_replayed, out_of_line: [{api, step, rank, reason}]}, "checklist": null | {checked_dump_pairs,
-    unchecked, passed, failures, context}}``; ``first_divergence`` is :func:`first_divergence_dict`'s."""
+    unchecked, passed, failures, context}, "overflow": null | {api, step, rank, where, row, output_row, values,
+    dtype, source, reason}}``; ``first_divergence`` is :func:`first_divergence_dict`'s."""
     failures = []
     for api in result.failures:
         row = result.rows[api.worst_row].row if api.worst_row is not None else api.api
@@ -80,6 +99,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
     return {
         "passed": result.passed,
         "first_divergence": first_divergence_dict(result),
+        "overflow": overflow_dict(result.overflow),
         "failures": failures,
         "missing": list(result.missing),
         "coverage": coverage_dict(result),
@@ -119,6 +139,7 @@ def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
         "rank": fd.rank,
         "reason": fd.reason,
         "rule": fd.rule,
+        **({"overflow": fd.overflow} if fd.overflow is not None else {}),
     }
 
 

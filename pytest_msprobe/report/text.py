@@ -23,6 +23,7 @@ from pytest_msprobe.compare.result import (
     Divergence,
     SelfCheckResult,
     fmt_number,
+    is_tensor,
     row_metric,
     unmatched_share,
 )
@@ -166,6 +167,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         f"{c['apis_error']} of {c['apis']} API calls breach"
     ]
     lines.extend(coverage_lines(result, "--max-unmatched=SHARE"))
+    lines.append(compare_overflow_line(result))
     lines.extend(divergence_lines(result))
     by_rank = rank_line(result)
     if by_rank:
@@ -212,6 +214,8 @@ def failure_message(
             lines.append(f"of what was compared, {counts}")
     else:
         lines = [f"msprobe: {lacking}{checklist_headline(result)}{counts}"]
+    if result.overflow is not None:
+        lines.append(compare_overflow_line(result))
     lines.extend(divergence_lines(result))
     by_rank = rank_line(result)
     if by_rank:
@@ -239,14 +243,58 @@ def failure_message(
     return "\n".join(lines)
 
 
+OVERFLOW_PLACE_TEXT = {
+    "parameter": "a weight already holds it: look at the previous step's backward and optimizer update",
+    "input": "an input no recorded call made holds it: a call that was not recorded made it",
+    "output": "its inputs are finite: this call is the suspect",
+}
+
+
+def compare_overflow_line(result: CompareResult) -> str:
+    """``overflow: X (step 0, rank 0) is the first call whose output holds inf/nan on the target and not on the
+    baseline; where: output (...)``, or that no call's does."""
+    ov = result.overflow
+    if ov is None:
+        tensors = [r.target for r in result.rows if is_tensor(r.target)]
+        if tensors and all(t.max is None and t.min is None for t in tensors):
+            return (
+                "overflow: not checked: the target's records hold no statistics (Max, Min) to see inf/nan in "
+                "(an md5 dump without them); dump with task statistics or overflow_check"
+            )
+        return "overflow: no call's output holds inf/nan on the target where the baseline's does not"
+    return (
+        f"overflow: {ov.api} ({_where(ov.step, ov.rank) or 'the dump'}) is the first call whose output holds "
+        f"inf/nan on the target and not on the baseline; where: {ov.where} ({OVERFLOW_PLACE_TEXT[ov.where]})"
+    )
+
+
+def overflow_lines(result: SelfCheckResult) -> list[str]:
+    """The lines naming the dump's first call whose output holds inf/nan (none when no call's does)."""
+    ov = result.overflow
+    if ov is None:
+        return []
+    where = _where(ov.step, ov.rank) or "the dump"
+    lines = [
+        f"msprobe self-check: {ov.api} ({where}) overflows: its output holds inf/nan",
+        f"first overflow: {ov.api} ({where}), row {ov.row}; where: {ov.where} ({OVERFLOW_PLACE_TEXT[ov.where]})",
+    ]
+    stack = next((c.stack for c in result.calls if c.name == ov.api), ())
+    site = call_site(stack)
+    if site:
+        lines.append(f"  called from: {site}")
+    lines.append(f"  {ov.reason}")
+    return lines
+
+
 def self_check_message(result: SelfCheckResult, reports: dict[str, str] | None = None) -> str:
     """The failure message of a self-check without a baseline: the headline with counts, the first
     out-of-line call with where it is called from and why, the others, where the report is."""
     ool = result.out_of_line
-    lines = [
-        f"msprobe self-check: {len(ool)} of {result.checked} replayed API calls are out of line against "
-        f"the float64 replay of their own inputs ({result.skipped} not replayable)"
-    ]
+    lines = overflow_lines(result)
+    lines.append(
+        f"{'also: ' if lines else 'msprobe self-check: '}{len(ool)} of {result.checked} replayed API calls are out "
+        f"of line against the float64 replay of their own inputs ({result.skipped} not replayable)"
+    )
     if ool:
         first = ool[0]
         lines.append(f"first out of line: {first.name} ({_where(first.step, first.rank) or 'the dump'})")

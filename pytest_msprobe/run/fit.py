@@ -62,7 +62,10 @@ def fit_problems(check: Any, manifest: dict[str, Any] | None, test: TestSettings
     if manifest is not None:
         task, level = manifest.get("task"), manifest.get("level")
     else:  # a plain msprobe dump: what its dump.json files say
-        tasks = {"tensor" if h.task == "tensor" else "md5" if h.md5 else "statistics" for h in check.headers}
+        tasks = {
+            h.task if h.task in ("tensor", "overflow_check") else "md5" if h.md5 else "statistics"
+            for h in check.headers
+        }
         levels = {h.level for h in check.headers if h.level is not None}
         task = tasks.pop() if len(tasks) == 1 else None
         level = levels.pop() if len(levels) == 1 else None

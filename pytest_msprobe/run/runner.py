@@ -203,6 +203,8 @@ class MsprobeRun:
                     max_dump_size=test.max_dump_size,
                     self_check=test.self_check,
                     checklist_env=test.checklist_env,
+                    # the gate holds every overflow of the target against the baseline's, not just the first
+                    overflow_nums=-1 if test.task == "overflow_check" else None,
                 )
             self._determinism = _Determinism.save()
             seed_all(seed=test.seed, mode=True)

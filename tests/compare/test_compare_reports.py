@@ -145,7 +145,9 @@ def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> 
     doc = json.loads(Path(paths["summary"]).read_text())
     assert set(doc) == {
         "passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts", "self_check",
+        "overflow",
     }  # fmt: skip
+    assert doc["overflow"] is None and "overflow" not in doc["first_divergence"]
     # own errors where the tensors could be replayed; a statistics or md5 dump without self_check.json has none
     assert (doc["self_check"] is not None) == (result.mode == "tensor")
     assert doc["first_divergence"]["rule"] == ("out of line" if result.mode == "tensor" else "enters")

@@ -279,12 +279,12 @@ CORPUS: dict[str, Callable[[Path], Broken]] = {
         '{"task": "statistics", "data": {}}', "'data' is empty: no API call was recorded"
     ),
     "task-unknown": json_case(
-        '{"task": "overflow_check", "data": {"A.b.0.forward": {}}}',
-        "unsupported task 'overflow_check' (expected 'statistics' or 'tensor')",
+        '{"task": "free_benchmark", "data": {"A.b.0.forward": {}}}',
+        "unsupported task 'free_benchmark' (expected 'statistics', 'tensor' or 'overflow_check')",
     ),
     "task-a-list": json_case(
         '{"task": ["tensor"], "data": {"A.b.0.forward": {}}}',
-        "unsupported task ['tensor'] (expected 'statistics' or 'tensor')",
+        "unsupported task ['tensor'] (expected 'statistics', 'tensor' or 'overflow_check')",
     ),
     "entry-a-string": json_case(
         '{"data": {"A.b.0.forward": "relu"}}', "A.b.0.forward: entry is a string, not an object"

@@ -70,7 +70,8 @@ def test_any_path_is_accepted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"task": "overflow_check"}, "task='overflow_check'"),
+        ({"task": "free_benchmark"}, "task='free_benchmark'"),
+        ({"task": "overflow_check", "overflow_nums": 0}, "overflow_nums=0"),
         ({"level": "L2"}, "level='L2'"),
         ({"step": [-1]}, "step=[-1]"),
         ({"step": ["a-b"]}, "'a-b' is neither an integer nor a range"),

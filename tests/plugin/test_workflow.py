@@ -142,7 +142,7 @@ def test_bad_options_are_usage_errors(
     [
         (
             '@pytest.mark.msprobe(task="tensors")',
-            "task must be one of statistics, tensor, md5, got 'tensors'",
+            "task must be one of statistics, tensor, md5, overflow_check, got 'tensors'",
         ),
         ("@pytest.mark.msprobe(steps=[-1])", "steps must be non-negative integers, got ?-1?"),
         ('@pytest.mark.msprobe(levle="L0")', "unknown keyword(s) levle *"),
