@@ -273,7 +273,7 @@ def _run_config_check(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from pytest_msprobe.compare.checklist import compare_checklists
+    from pytest_msprobe.compare.checklist_diff import compare_checklists
     from pytest_msprobe.compare.run import pair_locations
     from pytest_msprobe.compare.thresholds import Thresholds
     from pytest_msprobe.format.files import write_text

@@ -17,7 +17,7 @@ from typing import Any
 
 from pytest_msprobe.compare.align import align
 from pytest_msprobe.compare.build import Builder
-from pytest_msprobe.compare.checklist import compare_checklists
+from pytest_msprobe.compare.checklist_diff import compare_checklists
 from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.explain import (
     below_measure,

@@ -27,6 +27,7 @@ from pytest_msprobe.compare.records import (
 )
 from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.checklist import read_checklist
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.layout import DumpLocation, discover
 from pytest_msprobe.format.names import is_parameters_grad
@@ -80,6 +81,7 @@ def validate(path: str | os.PathLike[str]) -> DumpCheck:
                 _scan_entry(name, body, tensors, md5)
             except (TypeError, ValueError, KeyError, RecursionError) as exc:
                 raise DumpFormatError(location.path, _problem(name, body, exc)) from None
+        read_checklist(location.path.parent)  # our sidecar, when there: broken is unusable too
         headers.append(DumpHeader(location, task, level, bool(md5)))
         if tensors:
             dump = Dump(location, task, level, False, ())

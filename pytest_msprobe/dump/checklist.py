@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from pytest_msprobe.dump import determinism
+from pytest_msprobe.dump.threads import quiet
 from pytest_msprobe.format.checklist import encode_number
 
 # the environment variables that change the numbers of a run (documented in the README); a user adds more with
@@ -139,7 +140,13 @@ def environment(extra_env: Sequence[str] = ()) -> dict[str, Any]:
 
 def fingerprint(tensor: torch.Tensor) -> dict[str, Any]:
     """An exact fingerprint of a tensor (CRC32 of its bytes) with its statistics (min, max, mean, norm; min
-    and max only for integers and bools)."""
+    and max only for integers and bools). Its own torch calls are never recorded (it runs in the model's and
+    the optimizer's hooks, inside a dumped step) and build no graph."""
+    with quiet(), torch.no_grad():
+        return _fingerprint(tensor)
+
+
+def _fingerprint(tensor: torch.Tensor) -> dict[str, Any]:
     t = tensor.detach()
     doc: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
     if t.is_quantized or t.is_sparse or t.layout != torch.strided:
@@ -198,7 +205,8 @@ def _scalar(value: Any) -> Any:
     """A param group entry as JSON holds it: numbers, bools, strings, None, tuples of those; a tensor's value
     (a capturable lr); anything else by its type."""
     if isinstance(value, torch.Tensor):
-        return encode_number(float(value)) if value.numel() == 1 else f"<tensor {list(value.shape)}>"
+        with quiet():
+            return encode_number(float(value)) if value.numel() == 1 else f"<tensor {list(value.shape)}>"
     if isinstance(value, float):
         return encode_number(value)
     if value is None or isinstance(value, (bool, int, str)):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import re
 
-from pytest_msprobe.compare.checklist import meaning
 from pytest_msprobe.compare.result import (
     ERROR,
     INCONSISTENT,
@@ -392,10 +391,14 @@ def _checklist_advisor(result: CompareResult) -> str | None:
     lines = [
         "Line: N/A",
         f"Suspect Nodes: {first.headline(result.several_ranks).split(': ', 1)[0]}",
-        f"Expert Advice: {first.detail}: {meaning(first)}. {_CHECKLIST_NEXT[first.kind]}",
+        f"Expert Advice: {first.detail}: {first.meaning}. {_CHECKLIST_NEXT[first.kind]}",
         "",
         *checklist_lines(result),
     ]
+    if fd is not None and result.overflow is not None and fd.rule == OVERFLOW:
+        lines.append(
+            f"It overflows at {fd.api} (step {fd.step}, rank {fd.rank}): {overflow_advice(result, fd)}"
+        )
     if fd is not None:
         lines.append(
             f"The first breaching call after it: {fd.api} (step {fd.step}, rank {fd.rank}): {fd.reason}; "

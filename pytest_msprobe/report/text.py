@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pytest_msprobe.compare.checklist import meaning
 from pytest_msprobe.compare.result import (
     UNMATCHED_CAUSES,
     CompareResult,
@@ -62,7 +61,7 @@ def divergence_lines(result: CompareResult) -> list[str]:
     first = result.checklist_first
     lines: list[str] = []
     if first is not None:
-        lines = [f"first divergence: {first.headline(result.several_ranks)}", f"  {meaning(first)}"]
+        lines = [f"first divergence: {first.headline(result.several_ranks)}", f"  {first.meaning}"]
         assert result.checklist is not None
         others = [d for d in result.checklist.failures if d is not first]
         if others:

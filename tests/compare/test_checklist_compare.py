@@ -4,6 +4,7 @@ as context, what is expected between two device types, and unusable files."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from compare_helpers import seeded
 
 from pytest_msprobe import PrecisionDebugger
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.checklist import compare_checklists
+from pytest_msprobe.compare.checklist_diff import compare_checklists
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.checklist import CHECKLIST_JSON, read_checklist
@@ -69,6 +70,7 @@ def _edit(run: Path, tmp_path: Path, step: int, change) -> Path:
         if s == step:
             change(doc)
         (folder / CHECKLIST_JSON).write_text(json.dumps(doc))
+        shutil.copy(run / f"step{s}" / "rank" / "dump.json", folder / "dump.json")
     return copy_root
 
 
@@ -101,7 +103,9 @@ def test_without_a_model_the_callers_model_is_found(tmp_path: Path) -> None:
     assert doc["data"]["source"] == "the model's forward"
 
 
-def test_with_no_model_in_sight_the_batch_is_the_first_calls_first_input(tmp_path: Path) -> None:
+def test_with_no_model_in_sight_the_optimizers_model_is_found_and_the_batch_is_the_first_calls(
+    tmp_path: Path,
+) -> None:
     net = _Net()
     forward, params = net.forward, list(net.parameters())
     del net
@@ -117,7 +121,8 @@ def test_with_no_model_in_sight_the_batch_is_the_first_calls_first_input(tmp_pat
 
     loop(forward, params)
     doc = read_checklist(tmp_path / "d" / "step0" / "rank")
-    assert doc is not None and "parameters" not in doc
+    # the module whose weights the optimizer steps (alive through the bound forward), taken at that step
+    assert doc is not None and doc["taken"] == "the first optimizer step" and "fc.weight" in doc["parameters"]
     assert doc["data"]["source"] == "the first recorded call, Functional.conv2d.0.forward"
     assert list(doc["data"]["tensors"]) == ["args.0"] and doc["data"]["tensors"]["args.0"]["shape"] == [
         2,
@@ -147,9 +152,23 @@ def test_weights_are_exact_at_step_0_and_held_to_their_tolerance_later(run: Path
     later = compare_checklists(only_2(_edit(run, tmp_path / "c", 2, change), run), Thresholds())
     assert [(d.kind, d.name, d.step) for d in later.failures] == [("parameter", "fc.weight", 2)]
     assert "its Max differs by" in later.failures[0].detail
-    # when step 1 was compared call by call, what changed the weights during it was compared: not again
+    # when step 1 was compared call by call, its recorded updates are what moved the weights: unless no recorded
+    # call of it gives out the weight's new values (a change outside the dumped calls)
     followed = compare_checklists(_pairs(_edit(run, tmp_path / "d", 2, change), run), Thresholds())
-    assert followed.passed
+    assert [(d.kind, d.name, d.step) for d in followed.failures] == [("parameter", "fc.weight", 2)]
+    assert "a change made outside the dumped calls" in followed.failures[0].detail
+
+    def drift(doc: dict) -> None:  # far off, but the value a recorded call of step 1 gives out
+        fp = doc["parameters"]["fc.weight"]
+        fp["crc32"], fp["min"], fp["max"] = "00000000", -2.0, 3.0
+
+    edited = _edit(run, tmp_path / "f", 2, drift)
+    step1 = edited / "step1" / "rank" / "dump.json"
+    dump = json.loads(step1.read_text())
+    last = next(name for name in reversed(dump["data"]) if name.startswith("Tensor.addcdiv_"))
+    dump["data"][last]["output"][0].update(Min=-2.0, Max=3.0)
+    step1.write_text(json.dumps(dump))
+    assert compare_checklists(_pairs(edited, run), Thresholds()).passed
 
     def buffer(doc: dict) -> None:  # buffers are held at every step
         fp = doc["buffers"]["bn.running_var"]

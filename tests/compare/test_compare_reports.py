@@ -145,9 +145,12 @@ def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> 
     doc = json.loads(Path(paths["summary"]).read_text())
     assert set(doc) == {
         "passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts", "self_check",
-        "overflow",
+        "overflow", "checklist",
     }  # fmt: skip
     assert doc["overflow"] is None and "overflow" not in doc["first_divergence"]
+    assert doc["first_divergence"]["kind"] == "api"
+    # these dumps are written without a model: no weights, the same batch and settings on both sides
+    assert doc["checklist"]["passed"] is True and doc["checklist"]["failures"] == []
     # own errors where the tensors could be replayed; a statistics or md5 dump without self_check.json has none
     assert (doc["self_check"] is not None) == (result.mode == "tensor")
     assert doc["first_divergence"]["rule"] == ("out of line" if result.mode == "tensor" else "enters")
@@ -173,6 +176,7 @@ def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> 
     ]
     assert doc["passed"] is False
     assert doc["first_divergence"] == {
+        "kind": "api",
         "api": "Functional.relu.2.forward",
         "row": "Functional.relu.2.forward.output.0",
         "step": 0,

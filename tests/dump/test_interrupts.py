@@ -60,7 +60,7 @@ def _assert_whole(root: Path, task: str) -> int:
         files = sorted(p.name for p in rank.iterdir())
         if not files:
             continue  # nothing was published for this step
-        json_files = ["construct.json", "dump.json", "stack.json"]
+        json_files = ["checklist.json", "construct.json", "dump.json", "stack.json"]
         assert [f for f in files if f != "dump_tensor_data"] == json_files, files
         docs = {name: json.loads((rank / name).read_text()) for name in json_files}
         data = docs["dump.json"]["data"]

@@ -199,3 +199,13 @@ def test_config_check_of_dumps_without_checklists_is_an_error(pytester: pytest.P
     )
     assert result.ret == 2
     result.stderr.fnmatch_lines(["*no checklist to compare*no checklist.json*"])
+
+
+def test_a_baseline_with_a_broken_checklist_is_an_error_before_training(
+    pytester: pytest.Pytester, baseline: Path
+) -> None:
+    broken = baseline / "step1" / "rank" / "checklist.json"
+    broken.write_text('{"format": "pytest-msprobe checklist", "version": 1, "data": [')
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=baselines")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"*msprobe: unusable baseline: {broken}: invalid JSON*"])
