@@ -108,7 +108,10 @@ class TrendRecorder:
         self._param_dtype = _dtype_name(floating) if floating is not None else None
 
     def loss(self, value: Any) -> None:
-        """The step's loss: a number or a one-element tensor (the last value given in a step counts)."""
+        """The step's loss: a number or a one-element tensor (the last value given in a step counts; steps
+        after the recorded ones are not recorded)."""
+        if self.step >= self.steps:
+            return
         if not self._active:
             raise ConfigError(
                 "msprobe.loss() outside msprobe.step(): give the step's loss inside 'with msprobe.step(model):'"
