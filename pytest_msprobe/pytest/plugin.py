@@ -306,7 +306,7 @@ class _Summary:
                 detail = f"first out of line {props[FIRST_OUT_OF_LINE]}"
             else:  # a test that compared nothing says why; a pass or a regeneration where its baseline is
                 detail = str(props.get(REASON) or props.get(BASELINE_PROPERTY, ""))
-            if TREND_STEP in props:
+            if TREND_STEP in props and "trend" not in detail:
                 detail += f"; trend differs from step {props[TREND_STEP]}"
             self.lines.append((report.nodeid, str(props[VERDICT]), str(detail)))
 

@@ -164,6 +164,24 @@ def trend_only(result: CompareResult) -> bool:
     )
 
 
+def trend_only_lines(result: CompareResult, steps: list[int], scope: str) -> list[str]:
+    """The head of the failure message of a trend that differs while the dumped steps agree."""
+    t = result.trend
+    assert t is not None and t.first_step is not None
+    trend = trend_lines(result)
+    compared = t.rerun_steps or tuple(steps)
+    agree = f"the dumped {_steps_text(compared)} agree{'s' if len(compared) == 1 else ''} within the API thresholds"
+    if t.rerun_steps or t.first_step in compared:
+        why = (
+            f"  {agree} ({scope}): the trend's difference builds up from rounding, or from what the dump does "
+            f"not record; if the runs may differ this much, raise {BY_NAME['trend_rtol'].flag} (or the "
+            "marker's trend_rtol=)"
+        )
+    else:  # not run again (several ranks): the user dumps the steps there
+        why = f"  {agree} ({scope}); the test body was not run again (a test of several ranks is not)"
+    return [f"msprobe: {trend[0]}", *trend[1:], why]
+
+
 # ---------------------------------------------------------------------------------------------- the views
 def console_summary(result: CompareResult, reports: dict[str, str] | None = None, worst: int = 5) -> str:
     """A few lines for the terminal: headline with counts, the first divergence, the worst rows, the reports."""
@@ -233,15 +251,7 @@ def failure_message(
             lines.append(f"of what was compared, {counts}")
         lines.extend(trend_lines(result))
     elif trend_only(result):  # the API compare passed: the trend's difference is the failure
-        trend = trend_lines(result)
-        assert result.trend is not None
-        dumped = _steps_text(result.trend.rerun_steps or tuple(steps))
-        lines = [f"msprobe: {trend[0]}", *trend[1:]]
-        lines.append(
-            f"  the dumped {dumped} agree within the API thresholds ({c['apis']} API calls, {detail}): the trend's "
-            "difference builds up from rounding, or from what the dump does not record; if the runs may differ "
-            f"this much, raise {BY_NAME['trend_rtol'].flag} (or the marker's trend_rtol=)"
-        )
+        lines = trend_only_lines(result, steps, f"{c['apis']} API calls, {result.mode} mode")
     else:
         lines = [f"msprobe: {lacking}{counts}", *trend_lines(result)]
     fd = result.first_divergence

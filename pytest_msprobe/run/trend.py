@@ -110,20 +110,22 @@ def rerun_steps(
     return [k - 1, k] if k > 0 else [0]
 
 
-def check_same_start(first: TrendData, again: TrendData, before: int) -> None:
+def check_same_start(first: TrendData, again: TrendData, before: int, dumped: str = "") -> None:
     """The re-run repeated the first run's steps before ``before`` bit for bit; ConfigError in one line
     otherwise (state that outlived the first run: a model, optimizer or data made by a fixture)."""
     for a, b in zip(first.steps[:before], again.steps[:before]):
         if not (_same(a.loss, b.loss) and _same(a.grad_norm, b.grad_norm)):
             raise ConfigError(
-                f"the test body was run again with the same seed to dump steps around step {before}, but it did "
-                f"not repeat the first run: at step {a.step} its loss is {b.loss} where the first run's was "
+                f"the test body was run again with the same seed to dump {dumped or 'the steps'} (the trend first "
+                f"differs at step {before}), but it did not repeat the first run: at step {a.step} its loss is "
+                f"{b.loss} where the first run's was "
                 f"{a.loss}: build the model, the optimizer and the data inside the test body (not in a fixture "
                 "or at module level), so that a run with the same seed repeats itself"
             )
     if len(again.steps) < before:
         raise ConfigError(
-            f"the test body was run again to dump steps around step {before}, but its loop ran "
+            f"the test body was run again to dump {dumped or 'the steps'} (the trend first differs at step "
+            f"{before}), but its loop ran "
             f"{len(again.steps)} step(s) only"
         )
 
@@ -179,7 +181,7 @@ def compare_with_trend(
         ) from None
     run.debugger.close()
     write_trend(run)
-    check_same_start(target[0], run.trend.data(), k)
+    check_same_start(target[0], run.trend.data(), k, f"step{'s' if len(steps) > 1 else ''} {spans(steps)}")
     run._check_every_step()
     again = compare(
         run.dump_dir,

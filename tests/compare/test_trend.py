@@ -16,7 +16,9 @@ from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.trendfile import TrendData, TrendStep, read_trend, read_trends, write_trend
 
 
-def _trend(loss: list[float], norm: list[float] | None = None, dtype: str = "float32", modules=None) -> TrendData:
+def _trend(
+    loss: list[float], norm: list[float] | None = None, dtype: str = "float32", modules=None
+) -> TrendData:
     norm = norm if norm is not None else [1.0] * len(loss)
     modules = modules if modules is not None else [(n * 0.6, n * 0.8) for n in norm]
     return TrendData(
@@ -54,7 +56,9 @@ def test_a_difference_within_the_tolerance_passes_and_the_tolerance_is_the_dtype
     target = [v * (1 + 5e-5) for v in LOSS_CURVE]
     assert compare_trend(_trend(target), _trend(LOSS_CURVE), 40).passed
     assert not compare_trend(_trend(target), _trend(LOSS_CURVE), 40, rtol=1e-5).passed  # given: it holds
-    bf16 = compare_trend(_trend([v * 1.01 for v in LOSS_CURVE], dtype="bfloat16"), _trend(LOSS_CURVE, dtype="bfloat16"), 40)
+    bf16 = compare_trend(
+        _trend([v * 1.01 for v in LOSS_CURVE], dtype="bfloat16"), _trend(LOSS_CURVE, dtype="bfloat16"), 40
+    )
     assert bf16.passed and bf16.rtol == 2e-2
     assert trend_rtol("float16") == 5e-3 and trend_rtol("float64") == 1e-7 and trend_rtol(None) == 1e-4
 
@@ -67,7 +71,9 @@ def test_the_gradient_norm_counts_and_names_the_first_module_that_differs() -> N
     target_modules = list(modules)
     target_modules[4] = (0.6, 0.81)  # conv agrees, fc does not
     result = compare_trend(
-        _trend(LOSS_CURVE[:10], target_norm, modules=target_modules), _trend(LOSS_CURVE[:10], norm, modules=modules), 10
+        _trend(LOSS_CURVE[:10], target_norm, modules=target_modules),
+        _trend(LOSS_CURVE[:10], norm, modules=modules),
+        10,
     )
     assert result.first_step == 4 and result.quantity == GRAD_NORM
     assert result.module == "fc" and result.module_values == (0.81, 0.8)
@@ -106,7 +112,9 @@ def test_relative_difference_is_symmetric_and_zero_where_equal() -> None:
 
 
 def test_the_trend_file_round_trips_nan_and_inf_as_valid_json(tmp_path: Path) -> None:
-    data = TrendData("float32", ("conv",), (TrendStep(0, math.nan, math.inf, (-math.inf,)), TrendStep(1, 1.5, 2.0, (2.0,))))
+    data = TrendData(
+        "float32", ("conv",), (TrendStep(0, math.nan, math.inf, (-math.inf,)), TrendStep(1, 1.5, 2.0, (2.0,)))
+    )
     write_trend(tmp_path / "trend.json", data)
     doc = json.loads((tmp_path / "trend.json").read_text())  # valid JSON: no NaN literal
     assert doc["steps"][0]["loss"] == "nan" and doc["steps"][0]["grad_norm"] == "inf"
@@ -126,7 +134,11 @@ def test_the_trend_file_round_trips_nan_and_inf_as_valid_json(tmp_path: Path) ->
             "must hold 1 values",
         ),
         (
-            {"format": "pytest-msprobe trend", "modules": [], "steps": [{"step": 0, "loss": "x", "modules": []}]},
+            {
+                "format": "pytest-msprobe trend",
+                "modules": [],
+                "steps": [{"step": 0, "loss": "x", "modules": []}],
+            },
             "expected a number",
         ),
     ],
@@ -137,3 +149,22 @@ def test_a_broken_trend_file_is_refused_naming_it(tmp_path: Path, doc: dict, pro
     with pytest.raises(DumpFormatError, match=problem) as info:
         read_trend(path)
     assert str(path) in str(info.value)
+
+
+def test_the_reports_show_the_trend_side_by_side_and_as_valid_json() -> None:
+    from types import SimpleNamespace
+
+    from pytest_msprobe.report.html import trend_html
+    from pytest_msprobe.report.summary import trend_dict
+
+    target = list(LOSS_CURVE)
+    target[25] = math.nan
+    trend = compare_trend(_trend(target), _trend(LOSS_CURVE), 40)
+    fragment = trend_html(trend)
+    assert "the loss first differs at step 25" in fragment
+    pytest.importorskip("matplotlib")
+    assert 'class="msprobe-trend-plot"' in fragment and "data:image/png;base64," in fragment
+    summary = trend_dict(SimpleNamespace(trend=trend))  # type: ignore[arg-type]
+    assert summary is not None
+    assert summary["first_step"] == 25 and summary["target"] == "nan" and summary["nan_steps"] == [25]
+    json.dumps(summary, allow_nan=False)

@@ -49,7 +49,9 @@ def test_norms_are_taken_at_the_optimizer_step_and_grouped_by_module() -> None:
     assert data.modules == (ROOT_MODULE, "conv", "fc")  # named_parameters() order: its own first
     first = data.steps[0]
     assert first.grad_norm == pytest.approx(expected[0], rel=1e-6)
-    assert math.sqrt(sum(m * m for m in first.modules if m is not None)) == pytest.approx(first.grad_norm, rel=1e-6)
+    assert math.sqrt(sum(m * m for m in first.modules if m is not None)) == pytest.approx(
+        first.grad_norm, rel=1e-6
+    )
     assert first.loss is not None and first.loss > 0
 
 
