@@ -149,7 +149,12 @@ class TrendRecorder:
         wide = all(g.dtype == torch.float64 for _, g in grads)
         acc = torch.float64 if wide else torch.float32
         device = grads[0][1].device
-        norms = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=acc).to(device) for _, g in grads])
+        tensors = [g.detach() for _, g in grads]
+        try:  # one fused kernel per device and dtype (torch's clip_grad_norm_ uses it too)
+            parts = list(torch._foreach_norm(tensors, 2, dtype=acc))
+        except (AttributeError, TypeError, RuntimeError):  # a torch without it, or a device it does not cover
+            parts = [torch.linalg.vector_norm(g, dtype=acc) for g in tensors]
+        norms = torch.stack([n.to(device) for n in parts])
         index = self._index[[i for i, _ in grads]].to(device)
         per_module = torch.zeros(len(self.modules), dtype=acc, device=device).index_add_(
             0, index, norms * norms
