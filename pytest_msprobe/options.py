@@ -180,6 +180,16 @@ RANK_TIMEOUT = Option(
     "SECONDS, start-up included, and fail the test (default: {default}; ini: {ini}; marker: {marker}=)",
     ini_help="seconds the rank processes of a multi-rank test may take ({flag}; default: {default})",
 )
+TREND_STEPS = Option(
+    "trend_steps", flag="--msprobe-trend-steps", ini="msprobe_trend_steps", marker="trend_steps", metavar="N",
+    check=settings.check_trend_steps, check_names_it=True, ini_help="trend steps of msprobe tests ({flag})",
+    help="compare the loss (msprobe.loss) and gradient norms of the first N steps with the baseline's (ini: {ini})",
+)
+TREND_RTOL = Option(
+    "trend_rtol", flag="--msprobe-trend-rtol", ini="msprobe_trend_rtol", marker="trend_rtol", metavar="FLOAT",
+    check=settings.check_trend_rtol, check_names_it=True, ini_help="relative tolerance of the trend ({flag})",
+    help="relative tolerance of the trend (default: the training dtype's, float32 1e-4) (ini: {ini})",
+)
 # a rank process's part of its test, given by the plugin
 RANK_SPEC = Option("rank_spec", flag="--msprobe-rank-spec", help=argparse.SUPPRESS)
 THRESHOLD_OPTIONS = (
@@ -250,7 +260,7 @@ THRESHOLD_OPTIONS = (
 )
 OPTIONS: tuple[Option, ...] = (
     BASELINE, REGEN, OUTPUT, DEVICE, TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, KEEP_DUMPS, SELF_CHECK, CHECKLIST_ENV,
-    WORLD_SIZE, BACKEND, RANK_TIMEOUT, RANK_SPEC, *THRESHOLD_OPTIONS,
+    WORLD_SIZE, BACKEND, RANK_TIMEOUT, TREND_STEPS, TREND_RTOL, RANK_SPEC, *THRESHOLD_OPTIONS,
 )
 # fmt: on
 BY_NAME = {opt.name: opt for opt in OPTIONS}
@@ -508,7 +518,10 @@ def resolve_test(
     per_test = (
         TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, WORLD_SIZE, BACKEND, RANK_TIMEOUT, SELF_CHECK, CHECKLIST_ENV,
     )  # fmt: skip
+    per_test_trend = (*per_test, TREND_STEPS, TREND_RTOL)
     get = getter(cli)
-    layers = _layers((*per_test, *THRESHOLD_OPTIONS), lambda opt: get(opt.dest), marker, getter(ini), test)
-    values = {opt.name: _top(opt, layers, ini_dir) for opt in per_test}  # (each named as its setting)
+    layers = _layers(
+        (*per_test_trend, *THRESHOLD_OPTIONS), lambda opt: get(opt.dest), marker, getter(ini), test
+    )
+    values = {opt.name: _top(opt, layers, ini_dir) for opt in per_test_trend}  # (each named as its setting)
     return TestSettings(thresholds=_thresholds(layers, ini_dir), **values)

@@ -62,6 +62,7 @@ def compare(
     stack: bool = False,
     self_check: bool = False,
     replay: bool = True,
+    steps: Sequence[int] | None = None,
 ) -> CompareResult:
     """Compare a target dump with a baseline dump.
 
@@ -85,6 +86,9 @@ def compare(
     the collectives they share (see :mod:`pytest_msprobe.compare.rank_order`), so the first divergence is the
     earliest over all ranks.
 
+    ``steps`` compares only those steps of both sides (the others are neither compared nor missing): a
+    baseline that holds more steps than the run under test dumps (a trend's baseline dumps every step).
+
     Unusable input (a broken or hostile file, an empty dump, no step and rank in common) raises
     :class:`DumpFormatError` naming the file and the problem, before anything could be reported.
 
@@ -99,6 +103,13 @@ def compare(
         raise ConfigError(f"jobs must be a whole number >= 1, got {jobs!r}")
     thresholds = thresholds or Thresholds()
     t_locs, b_locs = discover(target), discover(baseline)
+    if steps is not None:
+        wanted = set(steps)
+        t_locs = [loc for loc in t_locs if loc.step in wanted]
+        b_locs = [loc for loc in b_locs if loc.step in wanted]
+        if not t_locs or not b_locs:
+            side, path = ("target", target) if not t_locs else ("baseline", baseline)
+            raise DumpFormatError(path, f"the {side} holds none of the steps {sorted(wanted)}")
     refuse_self_compare(t_locs, b_locs, target, baseline)
     pairs, unpaired, missing = pair_locations(t_locs, b_locs, target, baseline)
     builder = Builder(thresholds, mode)

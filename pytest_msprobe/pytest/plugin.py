@@ -52,6 +52,7 @@ BASELINE_PROPERTY = "msprobe_baseline"
 REASON = "msprobe_reason"  # user property: one line, why a test that compared nothing failed or errored
 CONTEXT = "msprobe_context"  # user property: checklist context that differs (environment, versions, switches)
 FIRST_OUT_OF_LINE = "msprobe_first_out_of_line"  # user property: the self-check's first out-of-line call
+TREND_STEP = "msprobe_trend_step"  # user property: the step where the trend first differs
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -207,8 +208,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     except MsprobeError as exc:  # from the dump in the body (size limit, full disk): one line, no traceback
         problem = run.describe(exc)
     else:
-        try:
-            outcome = run.finish()
+        try:  # a trend that differs at a step not dumped runs the body again, to dump the steps there
+            outcome = run.finish(rerun=lambda: item.ihook.pytest_pyfunc_call(pyfuncitem=item))
         except MsprobeError as exc:
             problem = run.describe(exc)
             verdict = "error" if isinstance(exc, BaselineError) else "failed"
@@ -234,6 +235,9 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         item.user_properties.append((FIRST_OUT_OF_LINE, outcome.self_check.out_of_line[0].name))
     if fd is not None and fd.rank is not None:  # a multi-rank dump: the rank the error entered on
         item.user_properties.append(("msprobe_first_divergence_rank", fd.rank))
+    trend = outcome.result.trend if outcome.result is not None else None
+    if trend is not None and trend.first_step is not None:  # where the loss or gradient norm first differs
+        item.user_properties.append((TREND_STEP, trend.first_step))
     if outcome.baseline is not None:
         item.user_properties.append((BASELINE_PROPERTY, str(outcome.baseline)))
     if outcome.kind in (FAILED, MISSING):
@@ -312,6 +316,8 @@ class _Summary:
                 detail = str(props.get(REASON) or props.get(BASELINE_PROPERTY, ""))
             if props.get(CONTEXT):
                 detail += f"; differs (context): {props[CONTEXT]}"
+            if TREND_STEP in props and "trend" not in detail:
+                detail += f"; trend differs from step {props[TREND_STEP]}"
             self.lines.append((report.nodeid, str(props[VERDICT]), str(detail)))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:

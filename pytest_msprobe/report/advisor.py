@@ -410,12 +410,49 @@ def _checklist_advisor(result: CompareResult) -> str | None:
 def advisor_text(result: CompareResult) -> str:
     """The advisor file's content: led by a checklist difference when one comes first, else by the call
     where the error enters; the checklist's context and differences follow."""
+    trend = trend_advice(result)
     led = _checklist_advisor(result)
     if led is not None:
-        return led
+        return led + (f"\n{trend}\n" if trend else "")
     text = _call_advisor(result)
     extra = checklist_lines(result)
-    return text + ("\n".join(extra) + "\n" if extra else "")
+    return text + ("\n".join(extra) + "\n" if extra else "") + (f"\n{trend}\n" if trend else "")
+
+
+def trend_advice(result: CompareResult) -> str | None:
+    """What the trend's first divergence says, following msprobe's guide for a loss that drifts over a long
+    run: the first step K where the loss or the gradient norm differs or jumps, then the backward of step K-1
+    and the forward of step K dumped (small models at level mix, large ones at L0 first)."""
+    t = result.trend
+    if t is None or t.first_step is None:
+        return None
+    k = t.first_step
+    text = [f"Trend: {t.headline}."]
+    if t.module is not None:
+        text.append(f"The first module whose gradient norm differs there is {t.module}.")
+    if t.nan_steps:
+        text.append(
+            f"NaN/Inf on one side only from step {t.nan_steps[0]}: look for the first overflow there."
+        )
+    where = f"the backward of step {k - 1} and the forward of step {k}" if k > 0 else "step 0"
+    text.append(
+        f"msprobe's guide for a loss that drifts: take the first step where the loss or the gradient norm "
+        f"differs or jumps (step {k}) and dump {where}: a precision problem of the backward shows first in the "
+        "next step's loss. Small models at level mix; large ones at L0 first, then L1 for the suspect module."
+    )
+    if t.rerun_steps:
+        steps = ", ".join(map(str, t.rerun_steps))
+        if result.failures:
+            text.append(
+                f"Steps {steps} were dumped again (the test body re-run with the same seed): see above."
+            )
+        else:
+            text.append(
+                f"Steps {steps} were dumped again (the test body re-run with the same seed) and agree within "
+                "the API thresholds: the difference builds up from rounding, or from what the dump does not "
+                "record; compare more steps before it, or a tensor dump of the suspect modules."
+            )
+    return " ".join(text)
 
 
 def _call_advisor(result: CompareResult) -> str:

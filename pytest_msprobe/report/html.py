@@ -14,7 +14,7 @@ import io
 import math
 from pathlib import Path
 
-from pytest_msprobe.compare.result import ERROR, CompareResult, row_metric
+from pytest_msprobe.compare.result import ERROR, CompareResult, TrendResult, row_metric
 from pytest_msprobe.report.own import own_html
 
 _FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)
@@ -121,6 +121,77 @@ def error_plot_png(result: CompareResult) -> bytes | None:
     return buf.getvalue()
 
 
+def trend_plot_png(trend: TrendResult) -> bytes | None:
+    """A PNG of both runs' loss and gradient norm per step, side by side, the first divergent step marked; None
+    without matplotlib or steps."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    if not trend.rows:
+        return None
+    steps = [r.step for r in trend.rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2), dpi=100)
+    try:
+        panels = (
+            ("loss", [r.target_loss for r in trend.rows], [r.baseline_loss for r in trend.rows]),
+            (
+                "gradient norm",
+                [r.target_grad_norm for r in trend.rows],
+                [r.baseline_grad_norm for r in trend.rows],
+            ),
+        )
+        for ax, (name, target, baseline) in zip(axes, panels):
+            nan = float("nan")
+            ax.plot(steps, [nan if v is None else v for v in baseline], color="#1f77b4", label="baseline")
+            ax.plot(
+                steps,
+                [nan if v is None else v for v in target],
+                color="#ff7f0e",
+                linestyle="--",
+                label="target",
+            )
+            if trend.first_step is not None:
+                ax.axvline(trend.first_step, color="#d62728", linewidth=1.2)
+                ax.annotate(
+                    f"first divergence\nstep {trend.first_step}",
+                    xy=(trend.first_step, 0.9),
+                    xycoords=("data", "axes fraction"),
+                    xytext=(6, 0),
+                    textcoords="offset points",
+                    fontsize=8,
+                    color="#d62728",
+                )
+            ax.set_xlabel("step")
+            ax.set_title(name, fontsize=10)
+            ax.legend(loc="upper right", fontsize=8, frameon=False)
+            ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+    finally:
+        plt.close(fig)
+    return buf.getvalue()
+
+
+def trend_html(trend: TrendResult | None) -> str:
+    """The trend's part of the fragment: its verdict and its plot (empty without a trend)."""
+    if trend is None:
+        return ""
+    parts = [f'<p class="msprobe-trend">Trend: {html.escape(trend.headline)}</p>']
+    png = trend_plot_png(trend)
+    if png is not None:
+        data = base64.b64encode(png).decode("ascii")
+        parts.append(
+            f'<img class="msprobe-trend-plot" alt="loss and gradient norm per step" '
+            f'src="data:image/png;base64,{data}"/>'
+        )
+    return "\n".join(parts)
+
+
 def _link(label: str, path: str) -> str:
     return f'<a href="{html.escape(Path(path).resolve().as_uri())}">{html.escape(label)}</a>'
 
@@ -172,6 +243,9 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
             f'<p>First divergence: <b class="msprobe-first-divergence">{html.escape(fd.api)}</b> '
             f"(step {fd.step}, rank {fd.rank}), row <code>{html.escape(fd.row)}</code>: {html.escape(fd.reason)}</p>"
         )
+    trend = trend_html(result.trend)
+    if trend:
+        parts.append(trend)
     parts.append(f'<pre class="msprobe-advisor" style="white-space: pre-wrap">{html.escape(advisor)}</pre>')
     own = own_html(result)
     if own:

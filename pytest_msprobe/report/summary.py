@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Overflow
@@ -84,6 +85,38 @@ def overflow_dict(ov: Overflow | None) -> dict[str, Any] | None:
     }
 
 
+def _number(x: float | None) -> float | str | None:
+    """A number for JSON: NaN and Inf as the texts "nan", "inf", "-inf" (JSON has no such numbers)."""
+    if x is None or math.isfinite(x):
+        return x
+    return "nan" if math.isnan(x) else "inf" if x > 0 else "-inf"
+
+
+def trend_dict(result: CompareResult) -> dict[str, Any] | None:
+    """summary.json's ``trend``: ``{passed, steps, dtype, rtol, first_step, quantity, target, baseline,
+    difference, module, module_values, rank, spikes, nan_steps, rerun_steps}``; None without a trend."""
+    t = result.trend
+    if t is None:
+        return None
+    return {
+        "passed": t.passed,
+        "steps": t.steps,
+        "dtype": t.dtype,
+        "rtol": t.rtol,
+        "first_step": t.first_step,
+        "quantity": t.quantity,
+        "target": _number(t.target),
+        "baseline": _number(t.baseline),
+        "difference": _number(t.difference),
+        "module": t.module,
+        "module_values": None if t.module_values is None else [_number(v) for v in t.module_values],
+        "rank": t.rank,
+        "spikes": list(t.spikes),
+        "nan_steps": list(t.nan_steps),
+        "rerun_steps": list(t.rerun_steps),
+    }
+
+
 def summary_dict(result: CompareResult) -> dict[str, Any]:
     """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
     [the baseline's steps/ranks the target lacks], "coverage": {passed, max_unmatched, baseline_calls,
@@ -91,7 +124,8 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
     rank, passed, apis, apis_error, first_error], "counts", "self_check": null | {gate, calls_checked,
     calls_not_replayed, out_of_line: [{api, step, rank, reason}]}, "checklist": null | {checked_dump_pairs,
     unchecked, passed, failures, context}, "overflow": null | {api, step, rank, where, row, output_row, values,
-    dtype, source, reason}}``; ``first_divergence`` is :func:`first_divergence_dict`'s."""
+    dtype, source, reason}, "trend": null | {...} (see :func:`trend_dict`)}``; ``first_divergence`` is
+    :func:`first_divergence_dict`'s."""
     failures = []
     for api in result.failures:
         row = result.rows[api.worst_row].row if api.worst_row is not None else api.api
@@ -106,6 +140,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         "ranks": rank_summaries(result),
         "counts": result.counts(),
         "self_check": own_summary_dict(result),
+        "trend": trend_dict(result),
         "checklist": result.checklist.to_dict() if result.checklist is not None else None,
     }
 

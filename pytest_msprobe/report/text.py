@@ -149,6 +149,75 @@ def coverage_lines(result: CompareResult, allow: str) -> list[str]:
     return lines
 
 
+def _steps_text(steps: list[int] | tuple[int, ...]) -> str:
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+
+
+def trend_lines(result: CompareResult) -> list[str]:
+    """``trend: the loss first differs at step 25 (...; allowed rel 1e-4); steps 24, 25 dumped again and
+    compared`` and its context (the first module whose gradient norm differs, spikes, NaN steps); none without
+    a trend."""
+    t = result.trend
+    if t is None:
+        return []
+    line = f"trend: {t.headline}"
+    if t.first_step is None:
+        return [line]
+    k = t.first_step
+    around = [k - 1, k] if k > 0 else [0]
+    if t.rerun_steps:
+        line += f"; {_steps_text(t.rerun_steps)} dumped again and compared"
+    elif k in _steps_and_ranks(result)[0]:
+        line += f"; step {k} is dumped and compared"
+    else:
+        line += f"; dump {_steps_text(around)} (the backward of step {k - 1} and the forward of step {k}) to find the API"
+    lines = [line]
+    if t.module is not None and t.module_values is not None:
+        a, b = t.module_values
+        lines.append(
+            f"  first module whose gradient norm differs at step {k}: {t.module} ({a:.6g} vs {b:.6g})"
+        )
+    if t.spikes:
+        lines.append(
+            f"  gradient-norm spikes of the target only (over 10x the median of its earlier steps): "
+            f"{_steps_text(t.spikes)}"
+        )
+    if t.nan_steps:
+        lines.append(f"  NaN/Inf on one side only: {_steps_text(t.nan_steps)}")
+    return lines
+
+
+def trend_only(result: CompareResult) -> bool:
+    """Whether the trend alone fails the compare (the dumped steps agree within the API thresholds)."""
+    t = result.trend
+    return (
+        t is not None
+        and not t.passed
+        and not result.missing
+        and result.coverage.passed
+        and not result.failures
+        and not (result.self_check and result.out_of_line)
+    )
+
+
+def trend_only_lines(result: CompareResult, steps: list[int], scope: str) -> list[str]:
+    """The head of the failure message of a trend that differs while the dumped steps agree."""
+    t = result.trend
+    assert t is not None and t.first_step is not None
+    trend = trend_lines(result)
+    compared = t.rerun_steps or tuple(steps)
+    agree = f"the dumped {_steps_text(compared)} agree{'s' if len(compared) == 1 else ''} within the API thresholds"
+    if t.rerun_steps or t.first_step in compared:
+        why = (
+            f"  {agree} ({scope}): the trend's difference builds up from rounding, or from what the dump does "
+            f"not record; if the runs may differ this much, raise {BY_NAME['trend_rtol'].flag} (or the "
+            "marker's trend_rtol=)"
+        )
+    else:  # not run again (several ranks): the user dumps the steps there
+        why = f"  {agree} ({scope}); the test body was not run again (a test of several ranks is not)"
+    return [f"msprobe: {trend[0]}", *trend[1:], why]
+
+
 # ---------------------------------------------------------------------------------------------- the views
 def console_summary(result: CompareResult, reports: dict[str, str] | None = None, worst: int = 5) -> str:
     """A few lines for the terminal: headline with counts, the first divergence, the worst rows, the reports."""
@@ -211,8 +280,11 @@ def failure_message(
             lines.append(f"of what was compared, no API call breaches the thresholds {detail}")
         else:
             lines.append(f"of what was compared, {counts}")
+        lines.extend(trend_lines(result))
+    elif trend_only(result):  # the API compare passed: the trend's difference is the failure
+        lines = trend_only_lines(result, steps, f"{c['apis']} API calls, {result.mode} mode")
     else:
-        lines = [f"msprobe: {lacking}{checklist_headline(result)}{counts}"]
+        lines = [f"msprobe: {lacking}{checklist_headline(result)}{counts}", *trend_lines(result)]
     if result.overflow is not None:
         lines.append(compare_overflow_line(result))
     lines.extend(divergence_lines(result))

@@ -29,7 +29,9 @@ def check_baseline(folder: Path, test: TestSettings | None = None) -> None:
     check = validate(folder)
     manifest = read_manifest(folder)
     if test is not None:
-        problems = fit_problems(check, manifest, test)
+        from pytest_msprobe.run.trend import fit_problems as trend_problems
+
+        problems = fit_problems(check, manifest, test) + trend_problems(folder, test)
         if problems:
             raise BaselineMismatchError(
                 f"the baseline {folder} does not fit this test: {'; '.join(problems)}"
@@ -48,7 +50,15 @@ def fit_problems(check: Any, manifest: dict[str, Any] | None, test: TestSettings
     problems: list[str] = []
     locations = check.locations
     steps = {loc.step for loc in locations}
-    if steps != set(test.steps):
+    if test.trend_steps:  # a trend's baseline holds every trend step too
+        from pytest_msprobe.run.trend import baseline_steps, spans
+
+        if steps != set(baseline_steps(test)):
+            problems.append(
+                f"it holds steps {spans(s for s in steps if s is not None)}, the test needs steps "
+                f"{spans(baseline_steps(test))} (its steps {numbers(test.steps)} and trend_steps={test.trend_steps})"
+            )
+    elif steps != set(test.steps):
         problems.append(f"it holds steps {numbers(steps)}, the test dumps steps {numbers(test.steps)}")
     expected = set(range(test.world_size))
     for step in sorted(s for s in steps if s is not None):

@@ -15,7 +15,7 @@ import platform
 import shlex
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,7 @@ from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder
 from pytest_msprobe.run.fit import check_baseline, numbers
 from pytest_msprobe.run.folders import claim_folder, clear_folder, is_inside
 from pytest_msprobe.run.settings import SessionSettings, TestSettings
+from pytest_msprobe.run.trend import baseline_steps, check_trend, compare_with_trend, write_trend
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -159,6 +160,10 @@ class MsprobeRun:
         self.rank_process = rank is not None
         self.rank = rank if rank is not None else 0
         self._in_step = False
+        # with a trend, a regenerated baseline dumps every trend step; a compare dumps the test's steps
+        self.trend_steps = test.trend_steps if session.active else None
+        self.dump_steps = baseline_steps(test) if self.trend_steps and session.regen else self.steps
+        self.trend: Any = None  # the TrendRecorder, with trend_steps
         self._lock: int | None = None  # holds this run's output folder (see claim_folder)
         self.output_dir = session.output / baseline_folder(nodeid)
         self.store = BaselineStore(session.baseline) if session.baseline is not None else None
@@ -191,26 +196,54 @@ class MsprobeRun:
         self.debugger: Any = _NoDump()
         try:
             if self.active:
-                from pytest_msprobe import PrecisionDebugger
-
-                md5 = test.task == "md5"  # msprobe's form: task statistics with summary_mode md5
-                self.debugger = PrecisionDebugger(
-                    dump_path=str(self.dump_dir),
-                    task="statistics" if md5 else test.task,
-                    level=test.level,
-                    step=list(test.steps),
-                    summary_mode="md5" if md5 else None,
-                    max_dump_size=test.max_dump_size,
-                    self_check=test.self_check,
-                    checklist_env=test.checklist_env,
-                    # the gate holds every overflow of the target against the baseline's, not just the first
-                    overflow_nums=-1 if test.task == "overflow_check" else None,
-                )
+                self.debugger = self._debugger(self.dump_dir, self.dump_steps)
+            self._new_trend()
             self._determinism = _Determinism.save()
             seed_all(seed=test.seed, mode=True)
         except BaseException:  # no run to close: the folder is let go here
             self._release()
             raise
+
+    def _debugger(self, dump_dir: Path, steps: tuple[int, ...]) -> Any:
+        from pytest_msprobe import PrecisionDebugger
+
+        test = self.settings
+        md5 = test.task == "md5"  # msprobe's form: task statistics with summary_mode md5
+        return PrecisionDebugger(
+            dump_path=str(dump_dir),
+            task="statistics" if md5 else test.task,
+            level=test.level,
+            step=list(steps),
+            summary_mode="md5" if md5 else None,
+            max_dump_size=test.max_dump_size,
+            self_check=test.self_check,
+            checklist_env=test.checklist_env,
+            # the gate holds every overflow of the target against the baseline's, not just the first
+            overflow_nums=-1 if test.task == "overflow_check" else None,
+        )
+
+    def _new_trend(self) -> None:
+        if self.trend_steps:
+            from pytest_msprobe.dump.trend import TrendRecorder
+
+            self.trend = TrendRecorder(self.trend_steps)
+
+    def loss(self, value: Any) -> None:
+        """Give the step's loss (a number or a one-element tensor) to the trend, inside ``msprobe.step``::
+
+            with msprobe.step(model):
+                loss = F.cross_entropy(model(x), y)
+                msprobe.loss(loss)                  # the last value given in a step counts
+                ...
+
+        With ``trend_steps=N`` each of the first N steps must give one; without a trend it is not recorded.
+        """
+        if not self._in_step:
+            raise ConfigError(
+                "msprobe.loss() outside msprobe.step(): give the step's loss inside 'with msprobe.step(model):'"
+            )
+        if self.trend is not None:
+            self.trend.loss(value)
 
     @property
     def active(self) -> bool:
@@ -230,15 +263,18 @@ class MsprobeRun:
                 f"msprobe.step() inside msprobe.step() (step {self.debugger.current_step}): steps do not nest; "
                 "open one 'with msprobe.step(model):' per training step"
             )
+        trend = self.trend
+        if trend is not None:
+            trend.begin(model)  # (a ConfigError without the model)
         self._in_step = True
-        interrupted = True
+        interrupted, failed = True, False
         try:
             # the model also at L1: the checklist fingerprints its weights and takes the batch from its forward
             self.debugger.start(model) if model is not None else self.debugger.start()
             yield
             interrupted = False
         except Exception:  # the body failed: the step's records are whole, they are written as usual
-            interrupted = False
+            interrupted, failed = False, True
             raise
         finally:
             try:
@@ -247,8 +283,14 @@ class MsprobeRun:
                 else:
                     self.debugger.stop()
                     self.debugger.step()
+            except BaseException:
+                if trend is not None:
+                    trend.abort()
+                raise
             finally:
                 self._in_step = False
+            if trend is not None:  # the step's values in one host sync; no loss given: a ConfigError
+                trend.abort() if interrupted or failed else trend.end()
 
     def manifest(self) -> Manifest:
         import torch
@@ -271,6 +313,7 @@ class MsprobeRun:
             extra={
                 "thresholds": self.settings.thresholds.to_dict(),
                 "self_check": self.settings.self_check,  # the baseline holds each call's own error
+                **({"trend_steps": self.trend_steps} if self.trend_steps else {}),
                 **({"world_size": self.world_size, "backend": self.backend} if self.world_size > 1 else {}),
             },
         )
@@ -292,13 +335,18 @@ class MsprobeRun:
         if lock is not None:
             os.close(lock)
 
-    def finish(self) -> Outcome:
+    def finish(self, rerun: Callable[[], Any] | None = None) -> Outcome:
         """After the test body: close the debugger, then regenerate the baseline or compare against it.
+
+        ``rerun`` runs the test body again: where the trend first differs at a step that was not dumped, it is
+        called once, reseeded and with a new debugger, to dump the steps there (:mod:`pytest_msprobe.run.trend`).
 
         Raises :class:`BaselineError` when the baseline cannot be read or written (no verdict: an error of the
         test), :class:`MsprobeError` for the other problems (a failure).
         """
         self.debugger.close()
+        if self.trend is not None and self.rank_process:  # each rank's trend, for its launcher
+            write_trend(self)
         # a rank process only dumps: its launcher regenerates, compares or checks every rank's dump
         if not self.active or self.rank_process:
             if self.world_size > 1 and not self.rank_process:  # nothing to compare: the ranks' logs served
@@ -311,6 +359,8 @@ class MsprobeRun:
                 f"{self.nodeid}: no step was dumped (steps {list(self.steps)}): wrap each training step in "
                 "'with msprobe.step(model):' or call msprobe.debugger.start()/stop()/step() around it"
             )
+        if self.trend_steps:
+            check_trend(self)
         self._check_every_step()
         if self.store is None or self.baseline_dir is None:  # the self-check alone
             return self._self_check()
@@ -340,7 +390,10 @@ class MsprobeRun:
                     # xdist already runs one test per core: a worker's compare stays in its process
                     jobs=1 if os.environ.get("PYTEST_XDIST_WORKER") else None,
                     self_check=self.settings.self_check,
+                    steps=self.steps if self.trend_steps else None,
                 )
+                if self.trend_steps:
+                    result = compare_with_trend(self, result, baseline, rerun)
             except DumpFormatError as exc:  # found only now, e.g. a truncated tensor file
                 which = "baseline" if is_inside(exc.path, baseline) else "dump"
                 raise BaselineError(f"unusable {which}: {exc}") from None
@@ -376,7 +429,7 @@ class MsprobeRun:
             found = {(loc.step, loc.rank or 0) for loc in discover(self.dump_dir)}
         except DumpFormatError as exc:
             raise ConfigError(f"{self.nodeid}: the dump is incomplete: {exc}") from None
-        wanted = {(s, r) for s in self.steps for r in range(self.world_size)}
+        wanted = {(s, r) for s in self.dump_steps for r in range(self.world_size)}
         lacking = sorted(wanted - found)
         if not lacking:
             return
@@ -387,7 +440,7 @@ class MsprobeRun:
         else:
             which = f"step{'s' if len(steps) > 1 else ''} {numbers(steps)}"
         raise ConfigError(
-            f"{self.nodeid}: {which} never ran{ran}, though the test dumps steps {numbers(self.steps)}: "
+            f"{self.nodeid}: {which} never ran{ran}, though the test dumps steps {numbers(self.dump_steps)}: "
             "run every requested step or change the marker's steps="
         )
 

@@ -58,6 +58,8 @@ class TestSettings:
     rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds the rank processes may take, start-up included
     self_check: bool = False  # replay each API call in float64 and fail on one whose own error is out of line
     checklist_env: tuple[str, ...] = ()  # environment variables the checklist records beyond its own list
+    trend_steps: int | None = None  # record and compare the loss and gradient norms of steps 0..N-1
+    trend_rtol: float | None = None  # the trend's relative tolerance; None: by the training dtype
 
 
 def check_flag(value: Any, where: str) -> bool:
@@ -153,6 +155,34 @@ def check_backend(value: Any, where: str) -> str | None:
             f"{where}: backend must be a torch.distributed backend name (gloo, nccl, hccl...), got {value!r}"
         )
     return value.strip().lower()
+
+
+def check_trend_steps(value: Any, where: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        steps = int(value.strip()) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: trend_steps must be a whole number >= 1, got {value!r}") from None
+    if steps < 1:
+        raise ConfigError(f"{where}: trend_steps must be a whole number >= 1, got {value!r}")
+    return steps
+
+
+def check_trend_rtol(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        rtol = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: trend_rtol must be a number >= 0, got {value!r}") from None
+    if not rtol >= 0 or math.isinf(rtol):
+        raise ConfigError(f"{where}: trend_rtol must be a number >= 0, got {value!r}")
+    return rtol
 
 
 def check_seconds(value: Any, where: str) -> float:
