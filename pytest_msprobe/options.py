@@ -33,6 +33,7 @@ from pytest_msprobe.compare.thresholds import FLOATING, ApiRule, Thresholds, Tol
 from pytest_msprobe.dump.config import LEVELS, TASKS, parse_size
 from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.run import settings
+from pytest_msprobe.run.folders import check_apart
 from pytest_msprobe.run.settings import DEFAULT_RANK_TIMEOUT, SessionSettings, TestSettings
 
 Getter = Callable[[str], Any]
@@ -454,18 +455,6 @@ def thresholds_from_options(options: Any, prefix: str = "") -> Thresholds:
 
 
 # ------------------------------------------------------------------------------------------------ settings
-def check_apart(output: Path, baseline: Path, what: str = "the output folder") -> None:
-    """Refuse an output folder that is, holds or lies inside a baseline folder: a run clears its output
-    folders, and would delete the baselines it is meant to compare with."""
-    out, base = Path(os.path.realpath(output)), Path(os.path.realpath(baseline))
-    if out == base or out.is_relative_to(base) or base.is_relative_to(out):
-        relation = "is" if out == base else "lies inside" if out.is_relative_to(base) else "holds"
-        raise ConfigError(
-            f"{what} {output} {relation} the baseline folder {baseline}: the run would delete baselines; "
-            f"give {OUTPUT.flag} a folder of its own"
-        )
-
-
 def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> SessionSettings:
     """Session settings; command-line paths are relative to where pytest was started, ini paths to the ini
     file.
@@ -493,7 +482,7 @@ def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> 
     if baseline is not None and os.path.exists(baseline) and not os.path.isdir(baseline):
         raise ConfigError(f"the baseline folder {baseline} is a file, not a folder")
     if baseline is not None:
-        check_apart(output, baseline, output_from)
+        check_apart(output, baseline, output_from, OUTPUT.flag)
     keep_dumps = bool(_top(KEEP_DUMPS, layers, ini_dir))
     # resolved per test (a marker sits between them), checked here so that a bad value stops the run at once
     for opt in (MAX_DUMP_SIZE, RANK_TIMEOUT, SELF_CHECK):

@@ -30,10 +30,9 @@ from pytest_msprobe.errors import (
     DumpSizeError,
     MsprobeError,
 )
-from pytest_msprobe.options import check_apart
 from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root
 from pytest_msprobe.run.fit import check_baseline, numbers
-from pytest_msprobe.run.folders import claim_folder, clear_folder, is_inside
+from pytest_msprobe.run.folders import check_apart, claim_folder, clear_folder, is_inside
 from pytest_msprobe.run.settings import SessionSettings, TestSettings
 from pytest_msprobe.run.trend import baseline_steps, check_trend, compare_with_trend, write_trend
 
@@ -169,7 +168,7 @@ class MsprobeRun:
         self.store = BaselineStore(session.baseline) if session.baseline is not None else None
         self.baseline_dir = self.store.path_for(nodeid) if self.store is not None else None
         if self.baseline_dir is not None:  # a baseline folder linked from elsewhere may hold the output
-            check_apart(session.output, self.baseline_dir)
+            check_apart(session.output, self.baseline_dir, flag=options.OUTPUT.flag)
         if self.store is not None and not session.regen and not self.rank_process:
             with self.store.reading(nodeid) as folder:
                 if is_dump_root(folder):
@@ -185,7 +184,9 @@ class MsprobeRun:
             try:  # a test's output folder linked into the baselines must not be cleared
                 for baseline in (session.baseline, self.baseline_dir):
                     if baseline is not None:
-                        check_apart(self.output_dir, baseline, "the test's output folder")
+                        check_apart(
+                            self.output_dir, baseline, "the test's output folder", options.OUTPUT.flag
+                        )
             except ConfigError:
                 self._release()
                 raise

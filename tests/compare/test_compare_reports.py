@@ -145,7 +145,7 @@ def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> 
     doc = json.loads(Path(paths["summary"]).read_text())
     assert set(doc) == {
         "passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts", "self_check",
-        "overflow", "checklist",
+        "overflow", "checklist", "trend",
     }  # fmt: skip
     assert doc["overflow"] is None and "overflow" not in doc["first_divergence"]
     assert doc["first_divergence"]["kind"] == "api"
