@@ -12,8 +12,8 @@ msprobe files (:mod:`pytest_msprobe.format.checklist`):
 - every optimizer that holds the model's parameters, with each param group's scalars, as its first
   ``step()`` of the step saw them (an lr scheduler's value of that step).
 
-The costs are one host copy and CRC32 of each parameter and buffer per dumped step (about 50 ms per 100 MB of
-parameters on one core) and nothing per API call.
+The costs are a CRC32 and four statistics of each parameter and buffer per dumped step (and a host copy on an
+accelerator; ``bench/checklist_cost.py``), nothing per API call.
 """
 
 from __future__ import annotations
