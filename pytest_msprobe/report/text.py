@@ -323,7 +323,7 @@ OVERFLOW_PLACE_TEXT = {
 
 def compare_overflow_line(result: CompareResult) -> str:
     """``overflow: X (step 0, rank 0) is the first call whose output holds inf/nan on the target and not on the
-    baseline; where: output (...)``, or that no call's does."""
+    baseline; where: output (...)``, that it could not be checked, or that none does."""
     ov = result.overflow
     if ov is None:
         tensors = [r.target for r in result.rows if is_tensor(r.target)]
@@ -332,7 +332,9 @@ def compare_overflow_line(result: CompareResult) -> str:
                 "overflow: not checked: the target's records hold no statistics (Max, Min) to see inf/nan in "
                 "(an md5 dump without them); dump with task statistics or overflow_check"
             )
-        return "overflow: no call's output holds inf/nan on the target where the baseline's does not"
+        return (
+            "overflow: none: no call's output is infinite or NaN on the target where the baseline's is finite"
+        )
     return (
         f"overflow: {ov.api} ({_where(ov.step, ov.rank) or 'the dump'}) is the first call whose output holds "
         f"inf/nan on the target and not on the baseline; where: {ov.where} ({OVERFLOW_PLACE_TEXT[ov.where]})"

@@ -65,8 +65,11 @@ def test_different_models_get_a_true_first_divergence(
     assert "grows" not in fd.reason
     text = _all_text(result, models[baseline])
     assert not NONSENSE.search(text), NONSENSE.search(text)
+    # the checklists say it first: the models' structures differ (the calls' verdict above follows from it)
+    first = result.checklist_first
+    assert first is not None and first.kind == "structure"
     advice = advisor_text(result).splitlines()[2]
-    assert "reads inputs of other shapes than the baseline's" in advice
+    assert "the two runs do not train the same model" in advice
     assert "nondeterministic" not in advice  # no seed makes other shapes agree
 
 

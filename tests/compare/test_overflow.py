@@ -142,7 +142,7 @@ def test_a_nan_both_sides_have_is_no_overflow_of_the_target(tmp_path: Path) -> N
     assert result.overflow is None and (
         result.first_divergence is None or result.first_divergence.rule != "overflow"
     )
-    assert "overflow: no call's output holds inf/nan on the target" in console_summary(result)
+    assert "overflow: none: no call's output is infinite or NaN on the target" in console_summary(result)
 
 
 def test_an_msprobe_dump_with_an_overflow_injected_is_named(tmp_path: Path) -> None:
@@ -172,7 +172,7 @@ def test_two_overflow_check_dumps_compare_and_say_what_they_found(tmp_path: Path
     target = dump(tmp_path / "t", task="overflow_check", overflow_nums=-1, factor=1e5)
     clean_result = compare(base2, base, jobs=1)
     assert clean_result.passed and clean_result.overflow is None
-    assert "overflow: no call's output holds inf/nan" in console_summary(clean_result)
+    assert "overflow: none: no call's output is infinite or NaN" in console_summary(clean_result)
     result = compare(target, base, jobs=1)
     assert _overflow(result) == ("Tensor.__mul__.0.forward", "Tensor.__mul__.0.forward.output.0", "output")
     assert result.counts()["apis_error"] == 1
