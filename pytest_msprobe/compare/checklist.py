@@ -53,6 +53,9 @@ class Difference:
     detail: str  # what differs, in a few words
     where: str = ""  # "before step 0", "param group 0", "the model's forward"
     expected: bool = False  # context that two device types are expected to differ in
+    # a weight or buffer held to its tolerance at a later step: it may have drifted there by the calls of the
+    # steps before, so a call wrong by its own evidence at this step comes first
+    drift: bool = False
 
     @property
     def failing(self) -> bool:

@@ -107,6 +107,7 @@ def tensor_differences(
                     str(bf.get("crc32")),
                     why,
                     where=f"before step {step}",
+                    drift=not exact,
                 )
             )
     return found
@@ -144,6 +145,7 @@ def changed_outside(
         found.append(
             replace(
                 d,
+                drift=False,
                 detail=f"{d.detail}; it changed after step {(d.step or 1) - 1}'s recorded calls (none of them "
                 "gives out these values): a change made outside the dumped calls",
             )
