@@ -196,7 +196,11 @@ def _compare(check: Check, target: Path, baseline: Path, jobs: int) -> None:
     check.seconds = time.perf_counter() - start
     check.passed = result.passed
     fd = result.first_divergence
-    if fd is not None:
+    first = result.checklist_first  # what the test's failure names first (none of the suite's faults is one)
+    if first is not None:
+        check.named = f"{first.kind} {first.name}@{first.step}"
+        check.rule, check.row, check.reason = "checklist", first.name, first.detail
+    elif fd is not None:
         check.named = f"{fd.api}@{fd.step}"
         check.rule, check.row, check.reason = fd.rule, fd.row, fd.reason
     if check.role == "active" or (check.scope == "run" and check.role != "benign"):

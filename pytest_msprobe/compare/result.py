@@ -50,9 +50,10 @@ INHERITED = "inherited"  # the earliest breaching call: its inputs already diffe
 ROUNDING = "rounding"  # no call is out of line: the difference builds up from rounding
 OVERFLOW = "overflow"  # the earliest call whose output holds inf/nan on the target and not on the baseline
 RULES = (OVERFLOW, OUT_OF_LINE, ENTERS, STRUCTURAL, INCONSISTENT, GROWS, INHERITED, ROUNDING)
-# the rules that name a call by its own evidence (not by what flowed into it): at a step where a weight only
-# drifted (a checklist difference held to its tolerance), such a call is the first divergence
-OWN_EVIDENCE = (OVERFLOW, OUT_OF_LINE, ENTERS, STRUCTURAL, INCONSISTENT)
+# the rules that name a call by its own evidence (not by what flowed into it; a call that amplifies its input
+# error 10x is one): at a step where a weight only drifted (a checklist difference held to its tolerance),
+# such a call is the first divergence
+OWN_EVIDENCE = (OVERFLOW, OUT_OF_LINE, ENTERS, STRUCTURAL, INCONSISTENT, GROWS)
 
 # where an overflow is first seen (Overflow.where, Divergence.overflow), as msprobe's guide sorts them
 OVERFLOW_PARAMETER = "parameter"  # a weight already holds inf/nan: the previous step's backward / update

@@ -12,12 +12,14 @@ import dataclasses
 import datetime
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.compare.align import align
 from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.checklist_diff import compare_checklists
+from pytest_msprobe.compare.checklist_records import from_records
 from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.explain import (
     below_measure,
@@ -151,6 +153,10 @@ def compare(
         relation_breaks(apis, rows),
         overflow,
     )
+    if not checklist.checked:  # dumps without checklists (plain msprobe's): what their records tell of one
+        inferred = from_records(apis, rows, divergence)
+        if inferred is not None:
+            checklist = replace(checklist, differences=(inferred, *checklist.differences))
     stacks: dict[str, tuple[str, ...]] = {}
     if stack:
         for t_loc, _ in pairs:

@@ -31,7 +31,7 @@ import torch
 
 from pytest_msprobe.dump import determinism
 from pytest_msprobe.dump.threads import quiet
-from pytest_msprobe.format.checklist import encode_number
+from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, TAKEN_AT_START, encode_number
 
 # the environment variables that change the numbers of a run (documented in the README); a user adds more with
 # the ini key msprobe_checklist_env
@@ -300,7 +300,7 @@ class StepChecklist:
             self.model = model
             self.doc = environment(self.extra_env)
             if model is not None:
-                self._fingerprint(model, "the step's start")
+                self._fingerprint(model, TAKEN_AT_START)
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_step))
@@ -358,7 +358,7 @@ class StepChecklist:
         if self.model is None:  # no model given nor in sight: the one whose weights this optimizer updates
             found = model_of(groups)
             if found is not None:  # its weights as the step started: only the optimizer changes them
-                self._fingerprint(found, "the first optimizer step")
+                self._fingerprint(found, TAKEN_AT_OPTIMIZER)
         self.optimizers.append(
             {
                 "class": type(optimizer).__name__,

@@ -36,6 +36,10 @@ from pytest_msprobe.format.files import read_json, write_text
 CHECKLIST_JSON = "checklist.json"
 FORMAT = "pytest-msprobe checklist"
 VERSION = 1
+# when the weights were fingerprinted (``taken``): at the step's start, or, when the model was found only through
+# its optimizer, at that optimizer's first step (the weights as the step started, the buffers as its forward
+# left them)
+TAKEN_AT_START, TAKEN_AT_OPTIMIZER = "the step's start", "the first optimizer step"
 _SECTIONS = ("environment", "versions", "switches", "structure", "parameters", "buffers", "data")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,9 +31,12 @@ class _Net(torch.nn.Module):
         return self.fc(torch.relu(self.bn(self.c1(x))).mean((2, 3)))
 
 
-def _dump(path: Path, steps: int = 3, model_to_start: bool = True) -> Path:
+def _dump(path: Path, steps: int = 3, model_to_start: bool = True, change: Any = None) -> Path:
     with seeded(7):
         model = _Net()
+        if change is not None:
+            with torch.no_grad():
+                change(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         debugger = PrecisionDebugger(
             dump_path=str(path), task="statistics", level="L1", step=list(range(steps))
@@ -268,3 +272,45 @@ def test_a_broken_checklist_is_an_error_naming_the_file(
     with pytest.raises(DumpFormatError) as info:
         compare_checklists([(folder, run / "step0" / "rank", 0, 0)], Thresholds())
     assert str(folder / CHECKLIST_JSON) in str(info.value) and problem in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "kind", "row"),
+    [
+        (lambda m: m.c1.weight.mul_(1.5), "parameter", "Functional.conv2d.0.forward.input.1"),
+        (lambda m: m.bn.running_var.mul_(3.0), "buffer", "Functional.batch_norm.0.forward.input.2"),
+    ],
+)
+def test_without_checklists_an_outside_input_is_read_off_the_records(
+    run: Path, tmp_path: Path, change: Any, kind: str, row: str
+) -> None:
+    target = _dump(tmp_path / "t", change=change)
+    baseline = tmp_path / "b"
+    shutil.copytree(run, baseline)
+    for path in [*target.rglob(CHECKLIST_JSON), *baseline.rglob(CHECKLIST_JSON)]:
+        path.unlink()  # as plain msprobe dumps are
+    result = compare(target, baseline)
+    assert result.checklist is not None and result.checklist.checked == 0
+    first = result.checklist_first
+    assert first is not None and (first.kind, first.name, first.step) == (kind, row, 0)
+    assert "no recorded call made it" in first.detail and "the dumps carry no checklist" in first.detail
+    assert result.first_divergence is not None and result.first_divergence.rule == "inherited"
+
+
+def test_without_checklists_a_call_wrong_by_itself_is_not_taken_for_an_outside_input(
+    run: Path, tmp_path: Path
+) -> None:
+    baseline = tmp_path / "b"
+    shutil.copytree(run, baseline)
+    target = tmp_path / "t"
+    shutil.copytree(run, target)
+    for path in [*target.rglob(CHECKLIST_JSON), *baseline.rglob(CHECKLIST_JSON)]:
+        path.unlink()
+    dump = target / "step0" / "rank" / "dump.json"
+    doc = json.loads(dump.read_text())
+    out = doc["data"]["Torch.relu.0.forward"]["output"][0]
+    out["Max"] *= 1.01  # the relu's output off while its input matches: it enters there
+    dump.write_text(json.dumps(doc))
+    result = compare(target, baseline)
+    assert result.checklist_first is None
+    assert result.first_divergence is not None and result.first_divergence.api == "Torch.relu.0.forward"
