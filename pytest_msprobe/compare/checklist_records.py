@@ -1,6 +1,6 @@
 """The checklist of dumps that carry none (plain msprobe dumps), read off their records where it can be.
 
-When the first divergence is a call whose inputs already differ (rule ``inherited``: no call is wrong by its own
+At step 0, when the first divergence is a call whose inputs already differ (rule ``inherited``: no call is wrong by its own
 evidence) and a differing input is made by no recorded call of its dump (no earlier output has its dtype, shape
 and statistics), that input came from outside the recorded calls: in a weight's place of the call (a conv's or
 linear's ``weight`` and ``bias``, a norm's affine weights) a ``parameter``, in a batch_norm's running statistics
@@ -32,7 +32,8 @@ def from_records(
     if fd is None or fd.rule != INHERITED:
         return None
     api = apis[fd.api_index]
-    if api.direction != "forward":
+    # at the start of training only: later, every weight differs after the steps before, dumped or not
+    if api.direction != "forward" or api.step not in (0, None):
         return None
     made = {
         _signature(r.target)
