@@ -369,7 +369,6 @@ class MsprobeRun:
             path = self.store.write(self.nodeid, self.dump_dir, self.manifest())
             self._drop_dump()  # the baseline is the copy
             return Outcome(REGENERATED, f"baseline written to {path}", baseline=path)
-        from pytest_msprobe.compare import compare
         from pytest_msprobe.report import write_reports
         from pytest_msprobe.report.advisor import advisor_text
         from pytest_msprobe.report.text import failure_message
@@ -383,16 +382,7 @@ class MsprobeRun:
                     baseline=baseline,
                 )
             try:
-                result = compare(
-                    self.dump_dir,
-                    baseline,
-                    thresholds=self.settings.thresholds,
-                    stack=True,
-                    # xdist already runs one test per core: a worker's compare stays in its process
-                    jobs=1 if os.environ.get("PYTEST_XDIST_WORKER") else None,
-                    self_check=self.settings.self_check,
-                    steps=self.steps if self.trend_steps else None,
-                )
+                result = self.compare_dump(baseline, self.steps if self.trend_steps else None)
                 if self.trend_steps:
                     result = compare_with_trend(self, result, baseline, rerun)
             except DumpFormatError as exc:  # found only now, e.g. a truncated tensor file
@@ -405,6 +395,21 @@ class MsprobeRun:
             return Outcome(PASSED, baseline=baseline, result=result, reports=reports, advisor=advisor)
         message = failure_message(result, reports, baseline, self.regen_command())
         return Outcome(FAILED, message, baseline=baseline, result=result, reports=reports, advisor=advisor)
+
+    def compare_dump(self, baseline: Path, steps: Any = None) -> CompareResult:
+        """This run's dump (its ``steps`` only, when given) compared with the baseline, as the test compares."""
+        from pytest_msprobe.compare import compare
+
+        return compare(
+            self.dump_dir,
+            baseline,
+            thresholds=self.settings.thresholds,
+            stack=True,
+            # xdist already runs one test per core: a worker's compare stays in its process
+            jobs=1 if os.environ.get("PYTEST_XDIST_WORKER") else None,
+            self_check=self.settings.self_check,
+            steps=steps,
+        )
 
     def _self_check(self) -> Outcome:
         """The gate of a self-check without a baseline: every call of the dump judged by its own error (a

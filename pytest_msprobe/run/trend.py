@@ -10,7 +10,6 @@ K-1 and the forward of K (steps K-1 and K; step 0 alone for K = 0), msprobe's ad
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -159,7 +158,6 @@ def compare_with_trend(
 ) -> CompareResult:
     """The compare's result with the trend compared; where the trend first differs at a step that was not
     dumped, the result of a compare of the steps there, dumped by running the test body again (``rerun``)."""
-    from pytest_msprobe.compare import compare
     from pytest_msprobe.compare.trend import compare_trends
 
     target = read_trends(run.dump_dir)
@@ -183,15 +181,7 @@ def compare_with_trend(
     write_trend(run)
     check_same_start(target[0], run.trend.data(), k, f"step{'s' if len(steps) > 1 else ''} {spans(steps)}")
     run._check_every_step()
-    again = compare(
-        run.dump_dir,
-        baseline,
-        thresholds=run.settings.thresholds,
-        stack=True,
-        jobs=1 if os.environ.get("PYTEST_XDIST_WORKER") else None,
-        self_check=run.settings.self_check,
-        steps=steps,
-    )
+    again = run.compare_dump(baseline, steps)
     return replace(again, trend=replace(trend, rerun_steps=tuple(steps)))
 
 
