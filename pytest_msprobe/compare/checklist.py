@@ -126,7 +126,16 @@ class ChecklistResult:
 
     @property
     def failures(self) -> list[Difference]:
-        return [d for d in self.differences if d.failing]
+        """The differences that fail the compare: all but the context and the drifts."""
+        return [d for d in self.differences if d.failing and not d.drift]
+
+    @property
+    def drifts(self) -> list[Difference]:
+        """Weights or buffers beyond their tolerance at a later step, when no compared step shows how they got
+        there: they explain a failing compare's calls (and come first), but fail nothing on their own: two
+        devices' training moves weights apart, and Adam's update from a gradient that is rounding noise moves
+        one far."""
+        return [d for d in self.differences if d.failing and d.drift]
 
     @property
     def context(self) -> list[Difference]:
@@ -138,10 +147,11 @@ class ChecklistResult:
 
     @property
     def first(self) -> Difference | None:
-        """The first failing difference: the model's structure, else the earliest step's hyperparameter,
-        parameter, buffer or data difference (in that order within a step), lowest rank first."""
-        failures = self.failures
-        return failures[0] if failures else None
+        """The first failing difference (else the first drift): the model's structure, else the earliest
+        step's hyperparameter, parameter, buffer or data difference (in that order within a step), lowest rank
+        first."""
+        found = self.failures or self.drifts
+        return found[0] if found else None
 
     def context_line(self, limit: int = 4) -> str | None:
         """``environment NVIDIA_TF32_OVERRIDE: unset vs 0; version torch: 2.4.0 vs 2.1.0 (expected)``."""
@@ -161,6 +171,7 @@ class ChecklistResult:
             "unchecked": list(self.unchecked),
             "passed": self.passed,
             "failures": [d.to_dict() for d in self.failures],
+            "drifts": [d.to_dict() for d in self.drifts],
             "context": [d.to_dict() for d in self.context],
         }
 

@@ -324,7 +324,7 @@ class CompareResult:
         later step against a call wrong by its own evidence at that step (:data:`OWN_EVIDENCE`)."""
         first = self.checklist.first if self.checklist is not None else None
         fd = self.first_divergence
-        if first is None:
+        if first is None or (first.drift and fd is None):  # a drift explains failing calls, nothing else
             return None
         if fd is None or first.step is None or fd.step is None or first.step < fd.step:
             return first

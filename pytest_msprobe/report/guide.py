@@ -64,6 +64,12 @@ def checklist_lines(result: CompareResult) -> list[str]:
         lines.extend(f"  {d.headline(several)}" for d in checklist.failures[:12])
         if len(checklist.failures) > 12:
             lines.append(f"  ... and {len(checklist.failures) - 12} more")
+    if checklist.drifts:
+        lines.append(
+            "Weights or buffers beyond their tolerance at a later step (no compared step shows how they got there; "
+            "they fail nothing on their own):"
+        )
+        lines.extend(f"  {d.headline(several)}" for d in checklist.drifts[:6])
     if checklist.context:
         lines.append(
             "Context that differs (never a failure on its own; 'expected' between these two device types):"

@@ -63,7 +63,7 @@ def divergence_lines(result: CompareResult) -> list[str]:
     if first is not None:
         lines = [f"first divergence: {first.headline(result.several_ranks)}", f"  {first.meaning}"]
         assert result.checklist is not None
-        others = [d for d in result.checklist.failures if d is not first]
+        others = [d for d in (*result.checklist.failures, *result.checklist.drifts) if d is not first]
         if others:
             named = "; ".join(d.headline(result.several_ranks).split(": ", 1)[0] for d in others[:4])
             more = f" and {len(others) - 4} more" if len(others) > 4 else ""
