@@ -132,9 +132,9 @@ class ChecklistResult:
     @property
     def drifts(self) -> list[Difference]:
         """Weights or buffers beyond their tolerance at a later step, when no compared step shows how they got
-        there: they explain a failing compare's calls (and come first), but fail nothing on their own: two
-        devices' training moves weights apart, and Adam's update from a gradient that is rounding noise moves
-        one far."""
+        there: the divergence may have begun before the compared steps; they are reported, but fail nothing and
+        are never the first divergence (two devices' training moves weights apart, Adam's update from a
+        gradient that is rounding noise moves one far, and a call wrong from step 0 moves them too)."""
         return [d for d in self.differences if d.failing and d.drift]
 
     @property
@@ -147,11 +147,9 @@ class ChecklistResult:
 
     @property
     def first(self) -> Difference | None:
-        """The first failing difference (else the first drift): the model's structure, else the earliest
-        step's hyperparameter, parameter, buffer or data difference (in that order within a step), lowest rank
-        first."""
-        found = self.failures or self.drifts
-        return found[0] if found else None
+        """The first failing difference: the model's structure, else the earliest step's hyperparameter,
+        parameter, buffer or data difference (in that order within a step), lowest rank first."""
+        return self.failures[0] if self.failures else None
 
     def context_line(self, limit: int = 4) -> str | None:
         """``environment NVIDIA_TF32_OVERRIDE: unset vs 0; version torch: 2.4.0 vs 2.1.0 (expected)``."""

@@ -50,10 +50,6 @@ INHERITED = "inherited"  # the earliest breaching call: its inputs already diffe
 ROUNDING = "rounding"  # no call is out of line: the difference builds up from rounding
 OVERFLOW = "overflow"  # the earliest call whose output holds inf/nan on the target and not on the baseline
 RULES = (OVERFLOW, OUT_OF_LINE, ENTERS, STRUCTURAL, INCONSISTENT, GROWS, INHERITED, ROUNDING)
-# the rules that name a call by its own evidence (not by what flowed into it; a call that amplifies its input
-# error 10x is one): at a step where a weight only drifted (a checklist difference held to its tolerance),
-# such a call is the first divergence
-OWN_EVIDENCE = (OVERFLOW, OUT_OF_LINE, ENTERS, STRUCTURAL, INCONSISTENT, GROWS)
 
 # where an overflow is first seen (Overflow.where, Divergence.overflow), as msprobe's guide sorts them
 OVERFLOW_PARAMETER = "parameter"  # a weight already holds inf/nan: the previous step's backward / update
@@ -320,15 +316,15 @@ class CompareResult:
     def checklist_first(self) -> Difference | None:
         """The checklist difference that is the first divergence: the first failing one, when it comes no
         later than the first divergence among the calls (a difference at the start of a step comes before the
-        step's calls: a re-seeded weight is named, not the conv that reads it), except a weight's drift at a
-        later step against a call wrong by its own evidence at that step (:data:`OWN_EVIDENCE`)."""
-        first = self.checklist.first if self.checklist is not None else None
+        step's calls: a re-seeded weight is named, not the conv that reads it). A weight's drift at a later
+        step (:attr:`ChecklistResult.drifts`) never is."""
+        # a drift is never it: it says the divergence began before the compared steps, not where
+        failures = self.checklist.failures if self.checklist is not None else []
+        first = failures[0] if failures else None
         fd = self.first_divergence
-        if first is None or (first.drift and fd is None):  # a drift explains failing calls, nothing else
+        if first is None:
             return None
-        if fd is None or first.step is None or fd.step is None or first.step < fd.step:
-            return first
-        if first.step == fd.step and not (first.drift and fd.rule in OWN_EVIDENCE):
+        if fd is None or first.step is None or fd.step is None or first.step <= fd.step:
             return first
         return None
 

@@ -73,6 +73,14 @@ def divergence_lines(result: CompareResult) -> list[str]:
     elif fd is not None:
         where = f"step {fd.step}, rank {fd.rank}" if fd.step is not None else f"rank {fd.rank}"
         lines = _divergence_lines(fd, where)
+        drifts = result.checklist.drifts if result.checklist is not None else []
+        if drifts:
+            named = "; ".join(d.headline(result.several_ranks).split(": ", 1)[0] for d in drifts[:3])
+            more = f" and {len(drifts) - 3} more" if len(drifts) > 3 else ""
+            lines.append(
+                f"  weights already beyond their tolerance as the compared steps start: {named}{more}: the "
+                "divergence may have begun in steps that were not compared"
+            )
     context = result.checklist.context_line() if result.checklist is not None else None
     if context:
         lines.append(f"context (not failures): {context}")
