@@ -60,9 +60,6 @@ NUMERIC_ENV: tuple[str, ...] = (
     "MKL_CBWR",
 )
 
-# param group entries that choose an implementation, not the mathematics (shown, never a failure)
-IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
-
 
 def _versions() -> dict[str, str | None]:
     found: dict[str, str | None] = {

@@ -13,6 +13,7 @@ import html
 import io
 import math
 from pathlib import Path
+from typing import Any
 
 from pytest_msprobe.compare.result import ERROR, CompareResult, TrendResult, row_metric
 from pytest_msprobe.report.own import own_html
@@ -113,11 +114,16 @@ def error_plot_png(result: CompareResult) -> bytes | None:
         ax.set_title(plot_title(result), fontsize=10)
         ax.legend(loc="upper left", fontsize=8, frameon=False, ncol=2 if several else 1)
         ax.grid(True, which="major", axis="y", alpha=0.3)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
+        return _png(fig)
     finally:
         plt.close(fig)
+
+
+def _png(fig: Any) -> bytes:
+    """A figure laid out and saved as PNG bytes."""
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     return buf.getvalue()
 
 
@@ -169,12 +175,9 @@ def trend_plot_png(trend: TrendResult) -> bytes | None:
             ax.set_title(name, fontsize=10)
             ax.legend(loc="upper right", fontsize=8, frameon=False)
             ax.grid(True, alpha=0.3)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
+        return _png(fig)
     finally:
         plt.close(fig)
-    return buf.getvalue()
 
 
 def trend_html(trend: TrendResult | None) -> str:
