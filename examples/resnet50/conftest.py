@@ -5,8 +5,10 @@ turn rounding-level differences into errors far beyond float32's tolerance withi
 choices make such differences: the number of threads (how reductions are split), the vector width of torch's
 kernels (AVX2 or AVX-512) and oneDNN's and MKL's kernels picked for the processor. Measured on one machine
 against a baseline made on it: 1 thread instead of 2 breaches 1592 of 1939 calls, AVX2 kernels instead of
-AVX-512 663, oneDNN limited to AVX2 1637. With the settings below every one of those runs gives the same
-files as the baseline, byte for byte. They cost nothing on a GPU or NPU runner (the device's kernels are not
+AVX-512 663, oneDNN limited to AVX2 1637, an AMD processor instead of an Intel one 1595 (MKL honours
+MKL_CBWR=AVX2 on Intel processors only: on others it reports CNR:AUTO under MKL_VERBOSE=1 and picks its own
+kernels, so the vendor-neutral COMPATIBLE path is pinned). With the settings below every one of those runs gives
+the same files as the baseline, byte for byte. They cost nothing on a GPU or NPU runner (the device's kernels are not
 affected) and are set before torch runs its first kernel.
 """
 
@@ -19,7 +21,7 @@ THREADS = 2
 
 if platform.machine().lower() in ("x86_64", "amd64"):
     os.environ["ATEN_CPU_CAPABILITY"] = "avx2"  # torch's own kernels: the AVX2 code on every x86-64 CPU
-    os.environ["MKL_CBWR"] = "AVX2"  # MKL's matrix products: the same code path whatever the processor
+    os.environ["MKL_CBWR"] = "COMPATIBLE"  # MKL's matrix products: one code path on Intel and AMD alike
 
 
 def pytest_configure() -> None:
