@@ -1,4 +1,71 @@
-"""Repository-level pytest configuration (each test folder keeps its own fixtures in its conftest.py)."""
+"""Repository-level pytest configuration (each test folder keeps its own fixtures in its conftest.py).
+
+Two guards for the whole suite, so that one broken test stays one failure:
+
+- after each test, whatever it left of a dump (a started debugger, API wrappers, gradients switched off) is
+  cleaned up and reported as that test's error, instead of failing every later test that starts a debugger;
+- once the session is over, a watchdog prints every thread's stack and ends the process if it has not exited
+  within a few minutes (a thread that never finishes would otherwise hold the run until CI's time runs out).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
 
 # the plugin's whole-workflow tests drive real pytest runs
 pytest_plugins = ["pytester"]
+
+EXIT_GRACE_S = 300.0
+
+
+def _dump_leftovers() -> list[str]:
+    """Clean up what a test left of a dump in this process; returns what was found."""
+    if "pytest_msprobe.dump.debugger" not in sys.modules:
+        return []  # nothing was ever started
+    import torch
+
+    from pytest_msprobe.dump import debugger, intercept, threads
+
+    found = []
+    for ident, started in list(debugger._STARTED.items()):
+        found.append(f"a PrecisionDebugger left started (thread {ident})")
+        try:
+            started.abort()
+            started.close()
+        except BaseException as exc:  # reported below; the cleanup goes on
+            found.append(f"closing it raised {type(exc).__name__}: {exc}")
+        debugger._STARTED.pop(ident, None)
+    if threads.slot.active is not None:
+        found.append("a recorder left active")
+        threads.slot.active = None
+    if intercept.wrappers_installed():
+        found.append("API wrappers left installed")
+    if not torch.is_grad_enabled():
+        found.append("gradients left switched off")
+        torch.set_grad_enabled(True)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _one_test_leaks_into_no_other() -> Iterator[None]:
+    yield
+    found = _dump_leftovers()
+    if found:
+        pytest.fail("the test left dump state behind (cleaned up now): " + "; ".join(found), pytrace=False)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    def watch() -> None:
+        threading.Event().wait(EXIT_GRACE_S)
+        sys.stderr.write(f"\nthe test process has not exited {EXIT_GRACE_S:.0f} s after the session ended:\n")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(3)
+
+    threading.Thread(target=watch, name="exit-watchdog", daemon=True).start()

@@ -267,10 +267,11 @@ def _interrupt_runs(tmp_path: Path) -> None:
             # optimizer.step() itself switches gradients off and back in a finally clause that calls a Python
             # function first: cut there, PyTorch leaves them off, with or without a dump
             _assert_nothing_left(run.model, grad=run.where != "optimizer")
-            torch.set_grad_enabled(True)
             written += _assert_whole(root, task) if root.exists() else 0
         except AssertionError as exc:  # pragma: no cover - the failure message
             raise AssertionError(f"{context}: {exc}") from exc
+        finally:
+            torch.set_grad_enabled(True)
     print(f"{n_runs} interrupts landed in: {dict(landed)}; {written} steps written whole")
     # the interrupts reached most parts of the step (step() itself lasts about 0.1 ms: it is seldom hit)
     assert landed["forward"] and landed["backward"] and landed["stop"], landed
