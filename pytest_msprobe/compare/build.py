@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pytest_msprobe.compare.align import Alignment
 from pytest_msprobe.compare.judge import (
@@ -104,6 +104,8 @@ class Builder:
     tasks: list[int] = field(default_factory=list)  # draft indices waiting for tensor metrics
     opaque: set[int] = field(default_factory=set)  # calls whose inputs are unknown
     structural: dict[int, int] = field(default_factory=dict)  # call -> the one-side call that fed it
+    # pair -> the records (target, baseline) of weights an update left moved by rounding noise -> the update
+    noise: dict[int, dict[tuple[Any, Any], str]] = field(default_factory=dict)
 
     def merge(self, part: Builder) -> None:
         """Append the pairs of ``part`` (a builder of later dump pairs) to this one."""
@@ -127,6 +129,7 @@ class Builder:
         self.feeds.update({i + calls: [j + calls for j in fed] for i, fed in part.feeds.items()})
         self.opaque.update(i + calls for i in part.opaque)
         self.structural.update({i + calls: j + calls for i, j in part.structural.items()})
+        self.noise.update({p + pairs: weights for p, weights in part.noise.items()})
 
     def _resolve_mode(self, t: Dump, b: Dump) -> str:
         if self.requested_mode == "auto":

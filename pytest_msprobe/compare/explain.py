@@ -7,13 +7,19 @@ Three cases, recognised by the records alone: an input that one side recorded af
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.judge import Check, amend, check_statistics
 from pytest_msprobe.compare.records import OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.result import ERROR, PASS, WARNING
+from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.compare.thresholds import Thresholds
+from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.layout import TENSOR_DIR
 from pytest_msprobe.format.names import FORWARD
 
 
@@ -145,10 +151,14 @@ def explain_noise_updates(builder: Builder) -> None:
     noise, below measure on both sides, and so are Adam's moments of it; but the update divides one by the root of
     the other (``param.addcdiv_(m, sqrt(v) + eps, value=-lr)``), which makes of that noise a step of up to the
     learning rate, another on each device. The weight then differs by what no precision of either device decides.
-    An in-place call of a tensor method (its name ends in ``_``) with an input below measure (see
-    :func:`below_measure`) and no other input that differs measurably is such an update: its failing rows, and
-    those of every record of the weight it updates in this dump pair (the same tensor record on both sides:
-    its forward uses, the in-place calls before the update), are warnings that say so.
+    An in-place call of a tensor method (its name ends in ``_``) is such an update when no other input than the
+    one it updates differs measurably and either an input is below measure as a whole (see
+    :func:`below_measure`) or, with tensor files, the output's difference lies on the elements where a differing
+    input is below measure (:func:`_noise_elements_explain`: a few gradient elements of rounding size among
+    large ones, each divided by its own small root). Its failing rows, and those of every record of the weight
+    it updates in this dump pair (the same tensor record on both sides: its forward uses, the in-place calls
+    before the update), are warnings that say so; the weight's records are kept in ``builder.noise`` for the
+    next step (:func:`explain_noise_carry`).
     """
     thresholds = builder.thresholds
     # the records (target, baseline) of a weight updated from noise -> the update's name (None, the key of a
@@ -160,6 +170,8 @@ def explain_noise_updates(builder: Builder) -> None:
         drafts = builder.drafts[api.row_start : api.row_stop]
         self_rows = [d for d in drafts if d.role != OUTPUT and d.row.endswith(".input.0")]
         others = [d for d in drafts if d.role != OUTPUT and not d.row.endswith(".input.0")]
+        if len(self_rows) != 1:
+            continue
         noise = [
             d
             for d in others
@@ -168,12 +180,22 @@ def explain_noise_updates(builder: Builder) -> None:
         measured = [
             d for d in others if d not in noise and d.check is not None and d.check.status in (ERROR, WARNING)
         ]
-        if not noise or measured or len(self_rows) != 1:
+        if measured:
             continue
+        if not noise:
+            outputs = [
+                d for d in drafts if d.role == OUTPUT and d.check is not None and d.check.status == ERROR
+            ]
+            if len(outputs) != 1 or not _noise_elements_explain(
+                builder, api, self_rows[0], others, outputs[0]
+            ):
+                continue
         for d in (self_rows[0], *(d for d in drafts if d.role == OUTPUT)):
             key = _records(d)
             if key is not None:
                 weights[key] = api.api
+                if d.role == OUTPUT:  # the weight as the update left it: how it enters the next step
+                    builder.noise.setdefault(api.pair, {})[key] = api.api
     if not weights:
         return
     # the in-place calls before an update (AdamW's weight decay) make the record it updates: their inputs too
@@ -198,6 +220,126 @@ def explain_noise_updates(builder: Builder) -> None:
                 "its difference is that noise's, not a precision problem of either device"
             )
             d.check = amend(check, note, WARNING)
+
+
+def _noise_elements_explain(
+    builder: Builder, api: Any, self_row: Any, others: list[Any], output: Any
+) -> bool:
+    """Whether an in-place update's failing output differs only where a differing input is below measure.
+
+    Every other input must match within the tolerance at its own scale (no element further apart than the
+    tolerance times the input's largest value); an element whose two values are further apart than the
+    tolerance relative to themselves is then below measure: a value of rounding size among large ones (Adam's
+    moments of a gradient element 1e-7 among gradients of 1e-3), whose own precision no compare of the tensor
+    can see, and whose quotient in the update is a step as large as any other. The output's difference outside
+    those elements must be within the tolerance: nothing measurable explains the rest, and a wrong update kernel
+    moves every element. Needs the tensor files of both sides (tensor mode); False wherever one cannot be read.
+    """
+    tol = builder.thresholds.for_dtype(output.baseline.dtype if output.baseline is not None else None)
+    pair = builder.pairs[api.pair] if api.pair < len(builder.pairs) else None
+    if pair is None or tol.error <= 0:
+        return False
+    try:
+        out_t, out_b = _values(pair.target, output.target), _values(pair.baseline, output.baseline)
+        if out_t is None or out_b is None or out_t.shape != out_b.shape:
+            return False
+        hidden = np.zeros(out_b.shape, dtype=bool)
+        for d in others:
+            if d.target is None or d.baseline is None or d.target.kind != TENSOR:
+                continue
+            x_t, x_b = _values(pair.target, d.target), _values(pair.baseline, d.baseline)
+            if x_t is None or x_b is None or x_t.shape != x_b.shape:
+                return False
+            if x_t.shape != out_b.shape:
+                if np.array_equal(x_t, x_b):
+                    continue  # a broadcast input that does not differ explains nothing, hides nothing
+                return False
+            with np.errstate(over="ignore", invalid="ignore"):
+                size = np.maximum(np.abs(x_t), np.abs(x_b))
+                gap = np.abs(x_t - x_b)
+            scale = float(np.max(size, initial=0.0))
+            if not np.isfinite(scale) or float(np.max(gap, initial=0.0)) > tol.error * scale:
+                return False  # the input differs measurably at its own scale: that is no noise
+            hidden |= gap > tol.error * size  # its own precision lost: a value of rounding size
+    except (DumpFormatError, OSError, ValueError, MemoryError):
+        return False
+    if not hidden.any():
+        return False
+    with np.errstate(over="ignore", invalid="ignore"):
+        diff = np.where(hidden, 0.0, out_t - out_b)
+        norm = float(np.linalg.norm(out_b))
+        rest = float(np.linalg.norm(diff))
+    return bool(np.isfinite(rest) and norm > 0 and rest <= tol.error * norm)
+
+
+def _values(dump_json: str, leaf: Leaf | None) -> np.ndarray | None:
+    """A tensor row's values in float64 (None for a row without a tensor file)."""
+    if leaf is None or leaf.kind != TENSOR or not leaf.data_name:
+        return None
+    path = Path(dump_json).parent / TENSOR_DIR / leaf.data_name
+    tensor = open_tensor(path, leaf.dtype, leaf.shape)
+    if tensor.numel > _NOISE_ELEMENTS_LIMIT or tensor.dtype.startswith("complex"):
+        return None
+    return tensor.read().astype(np.float64, copy=False)
+
+
+# an update's tensors are read whole for the element-wise check: an optimizer's state of one weight, never huge
+_NOISE_ELEMENTS_LIMIT = 1 << 24
+
+
+def explain_noise_carry(builder: Builder) -> None:
+    """Carry the weights updated from rounding noise (:func:`explain_noise_updates`) to the next step.
+
+    A weight that such an update moved at step N enters step N + 1 (of the same rank) with that difference: its
+    records there (the same tensor records on both sides: its forward uses, its next update's input) are
+    warnings that say where it comes from, and so is the next update of it whose other inputs do not differ
+    measurably; that update's output goes on to the step after. Runs on the whole compare, after its dump pairs
+    are merged.
+    """
+    if not builder.noise:
+        return
+    by_place = {(pair.rank, pair.step): p for p, pair in enumerate(builder.pairs)}
+    # in step order: what an update carries into step N + 1 goes on to N + 2 from there
+    for p in sorted(
+        range(len(builder.pairs)), key=lambda p: (builder.pairs[p].rank or 0, builder.pairs[p].step or 0)
+    ):
+        pair, carried = builder.pairs[p], builder.noise.get(p)
+        if pair.step is None or not carried:
+            continue
+        following = by_place.get((pair.rank, pair.step + 1))
+        if following is None:
+            continue
+        calls = [a for a in builder.apis if a.pair == following]
+        for api in calls:
+            drafts = builder.drafts[api.row_start : api.row_stop]
+            for d in drafts:
+                key = _records(d)
+                update = carried.get(key) if key is not None else None
+                if update is None or d.check is None or d.check.status != ERROR:
+                    continue
+                note = (
+                    f"a weight that {update} updated from rounding noise at step {pair.step} (inputs below "
+                    "measure, divided one by another): its difference is that noise's, not a precision problem"
+                )
+                d.check = amend(d.check, note, WARNING)
+            if not (_in_place(api) and api.api.startswith("Tensor.")):
+                continue
+            self_rows = [d for d in drafts if d.role != OUTPUT and d.row.endswith(".input.0")]
+            others = [d for d in drafts if d.role != OUTPUT and not d.row.endswith(".input.0")]
+            weight = _records(self_rows[0]) if len(self_rows) == 1 else None
+            if weight is None or weight not in carried:
+                continue
+            if any(d.check is not None and d.check.status in (ERROR, WARNING) for d in others):
+                continue
+            update = carried[weight]
+            for d in drafts:
+                key = _records(d)
+                if d.role != OUTPUT or key is None:
+                    continue
+                builder.noise.setdefault(following, {})[key] = update
+                if d.check is not None and d.check.status == ERROR:
+                    note = f"updates a weight that {update} moved from rounding noise at step {pair.step}"
+                    d.check = amend(d.check, note, WARNING)
 
 
 def _in_place(api: Any) -> bool:

@@ -123,6 +123,7 @@ class _Packed:
     feeds: dict[int, list[int]]
     opaque: set[int]
     structural: dict[int, int]
+    noise: dict[int, dict[tuple[Any, Any], str]]
 
 
 def _names(cls: Any) -> tuple[str, ...]:
@@ -164,7 +165,14 @@ def _pack(builder: Builder) -> _Packed:
         )
     apis = [tuple(getattr(a, n) for n in api_fields) for a in builder.apis]
     return _Packed(
-        builder.mode, builder.pairs, drafts, apis, builder.feeds, builder.opaque, builder.structural
+        builder.mode,
+        builder.pairs,
+        drafts,
+        apis,
+        builder.feeds,
+        builder.opaque,
+        builder.structural,
+        builder.noise,
     )
 
 
@@ -190,4 +198,5 @@ def _unpack(packed: _Packed) -> Builder:
         )
     builder.apis = [CallDraft(*a) for a in packed.apis]
     builder.feeds, builder.opaque, builder.structural = packed.feeds, packed.opaque, packed.structural
+    builder.noise = packed.noise
     return builder

@@ -386,48 +386,10 @@ class CompareResult:
 
     def row_records(self) -> list[dict[str, Any]]:
         """One flat record per compared row (plain numbers, ``None`` where a value is not there): the table
-        :meth:`to_pandas` makes, for analysis in any tool."""
-        fd = self.first_divergence
-        records = []
-        for index, row in enumerate(self.rows):
-            api = self.apis[row.api_index]
-            record: dict[str, Any] = {
-                "step": api.step,
-                "rank": api.rank,
-                "order": api.order,
-                "api": api.api,
-                "bench_api": api.bench_api,
-                "direction": api.direction,
-                "api_status": api.status,
-                "row": row.row,
-                "bench_row": row.bench_row,
-                "role": row.role,
-                "status": row.status,
-                "error": row.error,
-                "allowed": row.allowed,
-                "metric": row_metric(row),
-                "reason": row.reason,
-                "problem": row.problem,
-                "first_divergence": fd is not None and fd.row_index == index,
-            }
-            for side, leaf in (("target", row.target), ("baseline", row.baseline)):
-                record[f"{side}_type"] = None if leaf is None else leaf.type
-                record[f"{side}_dtype"] = None if leaf is None else leaf.dtype
-                record[f"{side}_shape"] = None if leaf is None or leaf.shape is None else tuple(leaf.shape)
-                for name, value in zip(STAT_NAMES, leaf.stats if leaf is not None else (None,) * 4):
-                    record[f"{side}_{name.lower()}"] = value
-                record[f"{side}_md5"] = None if leaf is None else leaf.md5
-            stat = row.stat
-            for i, name in enumerate(STAT_NAMES):
-                record[f"stat_{name.lower()}_diff"] = None if stat is None else stat.diff[i]
-                record[f"stat_{name.lower()}_rel_err"] = None if stat is None else stat.rel[i]
-                record[f"stat_{name.lower()}_scaled_err"] = None if stat is None else stat.scaled[i]
-            t = row.tensor
-            for name in _TENSOR_COLUMNS:
-                record[name] = None if t is None else getattr(t, name)
-            record["msprobe_accuracy"] = row.msprobe_accuracy
-            records.append(record)
-        return records
+        :meth:`to_pandas` makes, for analysis in any tool (columns: :data:`pytest_msprobe.compare.frame.ROW_COLUMNS`)."""
+        from pytest_msprobe.compare.frame import row_records
+
+        return row_records(self)
 
     def to_pandas(self) -> Any:
         """The compared rows as a pandas DataFrame, one row per compared item (see :meth:`row_records` for the
@@ -436,13 +398,9 @@ class CompareResult:
             >>> frame = compare("npu_dump", "gpu_dump").to_pandas()           # doctest: +SKIP
             >>> frame[frame.status == "error"].groupby("api").error.max()   # doctest: +SKIP
         """
-        try:
-            import pandas
-        except ImportError as exc:
-            raise ImportError(
-                "CompareResult.to_pandas() needs pandas: pip install 'pytest-msprobe[pandas]'"
-            ) from exc
-        return pandas.DataFrame.from_records(self.row_records(), columns=ROW_COLUMNS)
+        from pytest_msprobe.compare.frame import to_pandas
+
+        return to_pandas(self)
 
     def breaching_inputs(self, api: ApiResult) -> list[RowResult]:
         """The rows of a call that breach and are not its outputs (inputs and parameters), in row order."""
@@ -450,36 +408,6 @@ class CompareResult:
             self.rows[i] for i in api.rows if self.rows[i].role != OUTPUT and self.rows[i].status == ERROR
         ]
 
-
-# the tensor metrics of a row, as row_records names its columns (TensorMetrics' own field names)
-_TENSOR_COLUMNS = (
-    "cosine",
-    "euc_dist",
-    "max_abs_err",
-    "max_rel_err",
-    "one_thousandth",
-    "five_thousandths",
-    "rel_l2",
-    "scaled_max_abs",
-)
-
-# the columns of CompareResult.row_records / to_pandas, in order
-ROW_COLUMNS = (
-    *("step", "rank", "order", "api", "bench_api", "direction", "api_status", "row", "bench_row", "role"),
-    *("status", "error", "allowed", "metric", "reason", "problem", "first_divergence"),
-    *(
-        f"{side}_{item}"
-        for side in ("target", "baseline")
-        for item in ("type", "dtype", "shape", "max", "min", "mean", "norm", "md5")
-    ),
-    *(
-        f"stat_{stat}_{kind}"
-        for stat in ("max", "min", "mean", "norm")
-        for kind in ("diff", "rel_err", "scaled_err")
-    ),
-    *_TENSOR_COLUMNS,
-    "msprobe_accuracy",
-)
 
 RowSide: TypeAlias = Leaf | None
 """What one side of a row holds (:attr:`RowResult.target`, :attr:`RowResult.baseline`): the dump's record of the

@@ -24,6 +24,7 @@ from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.explain import (
     below_measure,
     explain_in_place,
+    explain_noise_carry,
     explain_noise_updates,
     explain_structural,
 )
@@ -120,6 +121,7 @@ def compare(
         if isinstance(part, tuple):  # (path, problem): the first unusable input, in pair order
             raise DumpFormatError(part[0], part[1])
         builder.merge(part)
+    explain_noise_carry(builder)
     rows, apis, feeds, peers = builder.finish()
     checklist = compare_checklists(
         [(t_loc.path, b_loc.path, t_loc.step, t_loc.rank) for t_loc, b_loc in pairs], thresholds

@@ -10,7 +10,8 @@ import pytest
 from compare_helpers import dump_dir
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.result import ERROR, ROW_COLUMNS
+from pytest_msprobe.compare.frame import ROW_COLUMNS
+from pytest_msprobe.compare.result import ERROR
 
 
 @pytest.mark.parametrize("kind", ["stat_L1", "tensor_L1"])

@@ -76,3 +76,87 @@ def test_an_update_from_a_measured_gradient_still_fails(make_dump: Callable[...,
     assert not result.passed
     assert "Tensor.addcdiv_.7.forward.output.0" in {r.row for r in result.rows if r.status == ERROR}
     assert not any("rounding noise" in r.reason for r in result.rows)
+
+
+def _adam_run(path: Path, noise: float, update_fault: float = 0.0) -> Path:
+    """Three steps of torch's Adam on a linear layer whose 64-element bias gets a gradient with one element of
+    rounding size (2e-8 to 3e-8, Adam's eps is 1e-8) among gradients of 1e-4 to 1e-3 of both signs, dumped with
+    tensors. ``noise`` is that element's relative rounding at the second step (another device's); the third
+    step updates only the weight (the bias has no gradient), so the bias enters it as the second step left it.
+    ``update_fault`` scales every element of each update's result (a wrong kernel)."""
+    import torch
+
+    from pytest_msprobe import PrecisionDebugger
+
+    generator = torch.Generator().manual_seed(3)
+    signs = torch.randint(0, 2, (3, 64), generator=generator).double() * 2 - 1
+    grads = signs * (torch.rand(3, 64, generator=generator, dtype=torch.float64) * 9e-4 + 1e-4)
+    grads[:, 10] = torch.tensor([2e-8, 3e-8, 2.5e-8], dtype=torch.float64)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 64)
+    torch.nn.init.zeros_(model.bias)  # a bias starts at zero: its size is the updates' own
+    x = torch.randn(4, 8, generator=generator)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    real_addcdiv = torch.Tensor.addcdiv_
+
+    def faulty(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real_addcdiv(self, *args, **kwargs)
+        with torch.no_grad():
+            out.mul_(1 + update_fault)
+        return out
+
+    debugger = PrecisionDebugger(dump_path=path, task="tensor", level="L1", step=[0, 1, 2])
+    try:
+        if update_fault:
+            torch.Tensor.addcdiv_ = faulty  # type: ignore[method-assign]
+        for step in range(3):
+            grad = grads[step].clone()
+            grad[10] *= 1 + (noise if step == 1 else 0.0)
+            bias_grad = grad.float() if step < 2 else None
+            debugger.start(model=model)
+            opt.zero_grad()
+            model(x).sum().backward()
+            model.bias.grad = bias_grad  # the gradient the case is about
+            opt.step()
+            debugger.stop()
+            debugger.step()
+    finally:
+        torch.Tensor.addcdiv_ = real_addcdiv  # type: ignore[method-assign]
+        debugger.close()
+    return path
+
+
+def test_a_tensor_dump_forgives_an_update_whose_difference_lies_on_a_gradient_element_of_rounding_size(
+    tmp_path: Path,
+) -> None:
+    """At the second step every gradient matches within 1e-4 at its scale, but one element of rounding size
+    differs by 3% of itself: Adam divides it by its own small root, and the new bias differs by more than 1e-4
+    of its norm. The update, and the bias where the next step reads it, are warnings that say so; the compare
+    passes."""
+    baseline = _adam_run(tmp_path / "baseline", noise=0.0)
+    result = compare(_adam_run(tmp_path / "target", noise=0.03), baseline, jobs=1)
+    assert result.mode == "tensor"
+    update = next(
+        r
+        for r in result.rows
+        if r.row == "Tensor.addcdiv_.1.forward.output.0" and result.apis[r.api_index].step == 1
+    )
+    assert (update.error or 0) > 1e-4, "the case must breach the tolerance, or it proves nothing"
+    assert update.status == WARNING and "updates from rounding noise" in update.reason
+    use = next(
+        r
+        for r in result.rows
+        if r.row == "Functional.linear.0.forward.input.2" and result.apis[r.api_index].step == 2
+    )
+    assert (use.error or 0) > 1e-4 and use.status == WARNING
+    assert "Tensor.addcdiv_.1.forward updated from rounding noise at step 1" in use.reason
+    assert result.passed, [(a.api, a.step, a.reason) for a in result.failures]
+
+
+def test_a_tensor_dump_still_fails_an_update_that_is_wrong_everywhere(tmp_path: Path) -> None:
+    baseline = _adam_run(tmp_path / "baseline", noise=0.0)
+    result = compare(_adam_run(tmp_path / "target", noise=0.01, update_fault=1e-3), baseline, jobs=1)
+    assert not result.passed
+    failing = {r.row for r in result.rows if r.status == ERROR}
+    assert "Tensor.addcdiv_.1.forward.output.0" in failing
+    assert not any("rounding noise" in r.reason for r in result.rows if r.status != PASS)
