@@ -123,6 +123,8 @@ class _Packed:
     feeds: dict[int, list[int]]
     opaque: set[int]
     structural: dict[int, int]
+    modules: dict[tuple[str, ...], str]
+    module_sources: list[str]
 
 
 def _names(cls: Any) -> tuple[str, ...]:
@@ -164,7 +166,15 @@ def _pack(builder: Builder) -> _Packed:
         )
     apis = [tuple(getattr(a, n) for n in api_fields) for a in builder.apis]
     return _Packed(
-        builder.mode, builder.pairs, drafts, apis, builder.feeds, builder.opaque, builder.structural
+        builder.mode,
+        builder.pairs,
+        drafts,
+        apis,
+        builder.feeds,
+        builder.opaque,
+        builder.structural,
+        builder.modules,
+        builder.module_sources,
     )
 
 
@@ -190,4 +200,5 @@ def _unpack(packed: _Packed) -> Builder:
         )
     builder.apis = [CallDraft(*a) for a in packed.apis]
     builder.feeds, builder.opaque, builder.structural = packed.feeds, packed.opaque, packed.structural
+    builder.modules, builder.module_sources = packed.modules, packed.module_sources
     return builder
