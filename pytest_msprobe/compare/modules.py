@@ -192,7 +192,7 @@ def segments(stack: Sequence[str]) -> tuple[Segment, ...]:
 
 class Callee(NamedTuple):
     """A module a line of code may call: ``self.conv1`` -> ("conv1", ATTR); ``model`` -> ("model", NAME);
-    ``self.layers[i]`` -> ("layers", INDEX)."""
+    ``self.layers[i].fc1`` -> ("layers.<slot>.fc1", INDEX), the slot filled by the count of calls."""
 
     name: str
     kind: str
@@ -239,9 +239,12 @@ def callees(code: str) -> tuple[Callee, ...]:
     return tuple(found)
 
 
+_SLOT = "\x00"  # where a subscript that only the count can tell stands in a name (self.layers[i])
+
+
 def _callee(func: ast.expr) -> Callee | None:
     parts: list[str] = []
-    kind = ATTR
+    slots = 0
     node = func
     while True:
         if isinstance(node, ast.Attribute):
@@ -251,17 +254,16 @@ def _callee(func: ast.expr) -> Callee | None:
             index = node.slice
             if isinstance(index, ast.Constant) and isinstance(index.value, int | str):
                 parts.append(str(index.value))
-            elif not parts:  # self.layers[i](x): which one, only the count can tell
-                kind = INDEX
-            else:
-                return None
+            else:  # self.layers[i](x), self.layers[i].fc1(x): which one, only the count can tell
+                parts.append(_SLOT)
+                slots += 1
             node = node.value
         else:
             break
-    if not isinstance(node, ast.Name):
+    if not isinstance(node, ast.Name) or slots > 1:
         return None
     if node.id == "self":
-        return Callee(".".join(reversed(parts)), kind) if parts else None
+        return Callee(".".join(reversed(parts)), INDEX if slots else ATTR) if parts else None
     if parts or node.id in _BUILTINS:
         return None  # F.relu(x), torch.cat(...), x.view(...), len(x): functions and methods, no modules
     return Callee(node.id, NAME)
@@ -287,6 +289,11 @@ def from_stacks(names: Sequence[str], stacks: dict[str, list[str]]) -> ModulePla
     outside: dict[str, ModulePath] = {}
     previous: list[int] = []
     for name in names:
+        module = module_of(name)
+        if module is not None:  # (a dump with module records has its construct.json: this one lost it)
+            places.paths[name] = module[0]
+            places.about.setdefault(module[0], module[1])
+            continue
         stack = stacks.get(name)
         if not stack:
             continue
@@ -369,7 +376,7 @@ def _labels(calls: Sequence[_Call], counts: dict[tuple[int, Frame], int]) -> lis
         if callee.kind == ATTR:
             labels.append(tuple(callee.name.split(".")))
         elif callee.kind == INDEX:
-            labels.append((*callee.name.split("."), str(ordinal)))
+            labels.append(tuple(callee.name.replace(_SLOT, str(ordinal)).split(".")))
         elif call.parent < 0:  # a top-level model(x): the model
             labels.append((callee.name,))
         elif call.site.file.endswith(_SEQUENTIAL):
