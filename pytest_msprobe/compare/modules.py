@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from pytest_msprobe.compare.records import Dump, read_stack
+from pytest_msprobe.compare.result import OPTIMIZER_MODULE, OUTSIDE_MODULES, UNKNOWN_MODULE
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.layout import CONSTRUCT_JSON
@@ -49,10 +50,9 @@ from pytest_msprobe.format.names import (
 
 ModulePath = tuple[str, ...]
 
-# groups that are no module of the model (their parentheses keep them apart from any attribute name)
-OUTSIDE: ModulePath = ("(outside any module)",)
-OPTIMIZER: ModulePath = ("(optimizer)",)
-UNKNOWN: ModulePath = ("(no module known)",)
+OUTSIDE: ModulePath = OUTSIDE_MODULES
+OPTIMIZER: ModulePath = OPTIMIZER_MODULE
+UNKNOWN: ModulePath = UNKNOWN_MODULE
 
 CONSTRUCT, STACKS = "construct.json", "stack.json"  # ModulePlaces.source
 _MODULE_PREFIXES = ("Module.", "Cell.")

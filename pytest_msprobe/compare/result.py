@@ -273,6 +273,13 @@ def _place(step: int | None, rank: int | None) -> str:
     return ", ".join(p for p in parts if p) or "the dump"
 
 
+# the groups of calls that are no module of the model (ApiResult.module; parentheses keep them apart from any
+# attribute name)
+OUTSIDE_MODULES = ("(outside any module)",)  # before, after or between the model's module calls
+OPTIMIZER_MODULE = ("(optimizer)",)  # inside optimizer.step()
+UNKNOWN_MODULE = ("(no module known)",)  # neither construct.json nor a stack tells
+
+
 @dataclass(frozen=True)
 class Modules:
     """The model's modules that the calls were made in (:attr:`ApiResult.module`): what each is (its class at

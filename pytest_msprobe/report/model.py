@@ -19,8 +19,14 @@ import json
 import math
 from typing import Any
 
-from pytest_msprobe.compare.modules import UNKNOWN
-from pytest_msprobe.compare.result import PASS, STATUSES, CompareResult, fmt_number, row_metric
+from pytest_msprobe.compare.result import (
+    PASS,
+    STATUSES,
+    UNKNOWN_MODULE,
+    CompareResult,
+    fmt_number,
+    row_metric,
+)
 from pytest_msprobe.report.html import api_ratios
 
 MAX_ROWS = 100_000  # rows embedded; beyond it only the rows of calls that do not pass
@@ -58,7 +64,7 @@ def model_data(result: CompareResult) -> dict[str, Any]:
     omitted = 0
     for i in order:
         api = result.apis[i]
-        path = api.module or UNKNOWN
+        path = api.module or UNKNOWN_MODULE
         for depth in range(1, len(path) + 1):
             if path[:depth] not in node_of:
                 node_of[path[:depth]] = len(nodes)
