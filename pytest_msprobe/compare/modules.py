@@ -42,6 +42,7 @@ from pytest_msprobe.format.layout import CONSTRUCT_JSON
 from pytest_msprobe.format.names import (
     BACKWARD,
     FORWARD,
+    MODULE_PREFIXES,
     OPTIMIZER_NODE,
     is_parameters_grad,
     params_grad_module,
@@ -50,12 +51,7 @@ from pytest_msprobe.format.names import (
 
 ModulePath = tuple[str, ...]
 
-OUTSIDE: ModulePath = OUTSIDE_MODULES
-OPTIMIZER: ModulePath = OPTIMIZER_MODULE
-UNKNOWN: ModulePath = UNKNOWN_MODULE
-
 CONSTRUCT, STACKS = "construct.json", "stack.json"  # ModulePlaces.source
-_MODULE_PREFIXES = ("Module.", "Cell.")
 
 
 @dataclass
@@ -68,7 +64,7 @@ class ModulePlaces:
     source: str = ""
 
     def of(self, name: str) -> ModulePath:
-        return self.paths.get(name, UNKNOWN)
+        return self.paths.get(name, UNKNOWN_MODULE)
 
 
 def place_calls(dump: Dump) -> ModulePlaces:
@@ -100,7 +96,7 @@ def read_construct(path: Path) -> dict[str, Any]:
 def module_of(name: str) -> tuple[ModulePath, str] | None:
     """The module path and class of a module record or module node name (``Module.layer1.0.conv1.Conv2d.
     forward.0`` -> ``(("layer1", "0", "conv1"), "Conv2d")``), None for any other name."""
-    if not name.startswith(_MODULE_PREFIXES):
+    if not name.startswith(MODULE_PREFIXES):
         return None
     base = parse_name(name).base
     if is_parameters_grad(name):
@@ -129,9 +125,9 @@ def from_construct(names: Sequence[str], construct: dict[str, Any]) -> ModulePla
             continue  # unknown
         parent = construct[key]
         if parent is None:
-            places.paths[name] = OUTSIDE
+            places.paths[name] = OUTSIDE_MODULES
         elif parent == OPTIMIZER_NODE:
-            places.paths[name] = OPTIMIZER
+            places.paths[name] = OPTIMIZER_MODULE
         elif isinstance(parent, str) and (found := module_of(parent)) is not None:
             places.paths[name] = found[0]
             places.about.setdefault(found[0], found[1])
@@ -199,6 +195,7 @@ class Callee(NamedTuple):
 
 
 ATTR, NAME, INDEX = "attr", "name", "index"
+_LONGEST_LINE = 2000  # a longer line of source is no call site a person wrote
 _BUILTINS = frozenset(dir(builtins)) | {"super"}
 
 
@@ -208,6 +205,8 @@ def callees(code: str) -> tuple[Callee, ...]:
     them: ``self.bn1(self.conv1(x))`` -> conv1, bn1). A line cut short (a call spread over lines) is closed
     first; a line that does not parse calls nothing known."""
     text = code.strip()
+    if len(text) > _LONGEST_LINE:
+        return ()
     if text.endswith(":"):
         text += " pass"
     tree = None
@@ -215,7 +214,7 @@ def callees(code: str) -> tuple[Callee, ...]:
         try:
             tree = ast.parse(text + tail)
             break
-        except SyntaxError:
+        except (SyntaxError, ValueError, RecursionError, MemoryError):  # (a NUL byte, nesting too deep)
             continue
     if tree is None:
         return ()
@@ -235,7 +234,10 @@ def callees(code: str) -> tuple[Callee, ...]:
         for child in ast.iter_child_nodes(node):
             visit(child)
 
-    visit(tree)
+    try:
+        visit(tree)
+    except RecursionError:  # a line of 10,000 additions: no module call to be read off it
+        return ()
     return tuple(found)
 
 
@@ -298,9 +300,11 @@ def from_stacks(names: Sequence[str], stacks: dict[str, list[str]]) -> ModulePla
         if not stack:
             continue
         segs = segments(stack)
+        if not segs:
+            continue  # no frame could be read: unknown
         if len(segs) < 2:
             optimizer = any(_OPTIMIZER_CODE in f.file for seg in segs for f in seg)
-            outside[name] = OPTIMIZER if optimizer else OUTSIDE
+            outside[name] = OPTIMIZER_MODULE if optimizer else OUTSIDE_MODULES
             continue
         op = parse_name(name).base
         chain: list[int] = []

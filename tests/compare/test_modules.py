@@ -12,9 +12,6 @@ from compare_helpers import VERSIONS, dump_dir, rank_dir
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.modules import (
-    OPTIMIZER,
-    OUTSIDE,
-    UNKNOWN,
     callees,
     from_construct,
     from_stacks,
@@ -23,6 +20,9 @@ from pytest_msprobe.compare.modules import (
     segments,
 )
 from pytest_msprobe.compare.records import read_dump, read_stack
+from pytest_msprobe.compare.result import OPTIMIZER_MODULE as OPTIMIZER
+from pytest_msprobe.compare.result import OUTSIDE_MODULES as OUTSIDE
+from pytest_msprobe.compare.result import UNKNOWN_MODULE as UNKNOWN
 from pytest_msprobe.format.layout import discover
 from pytest_msprobe.format.names import MODULE_PREFIX
 
@@ -323,3 +323,33 @@ def test_a_call_only_the_baseline_makes_is_placed_by_the_baselines_files(tmp_pat
     (only,) = [a for a in result.apis if a.api == "Functional.relu.2.forward" and a.direction == "forward"]
     assert only.module == ("layer1",)
     assert not any(a.api.startswith(MODULE_PREFIX) and not a.module for a in result.apis)
+
+
+def test_unusable_stack_and_construct_files_leave_the_calls_unknown(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    target = shutil.copytree(rank_dir("26.2.0", "npu", "stat_L1", 0), tmp_path / "t")
+    long_line = "File /m/model.py, line 3, in forward, \n x = " + "+".join(["a"] * 5000)
+    (target / "stack.json").write_text(
+        json.dumps(
+            {
+                "0": [
+                    ["Functional.conv2d.0.forward"],
+                    [long_line, "File /m/m.py, line 1, in f, \n x = (((("],
+                ],
+                "1": "not a stack",
+                "2": [[1, None], [{"a": 1}]],
+                "3": [["Functional.relu.0.forward"], ["no frame at all", 7]],
+            }
+        )
+    )
+    (target / "construct.json").write_text("[1, 2]")
+    result = compare(target, rank_dir("26.2.0", "bench", "stat_L1", 0))
+    modules = {a.api: a.module for a in result.apis}
+    assert modules["Functional.conv2d.0.forward"] == OUTSIDE  # frames, but no module call among them
+    assert modules["Functional.relu.0.forward"] == UNKNOWN  # no frame that can be read
+    assert modules["Functional.relu.2.forward"] == UNKNOWN  # no stack left for it
+    assert result.first_divergence is not None and result.first_divergence.api == "Functional.relu.2.forward"
+    (tmp_path / "t" / "construct.json").write_bytes(b"\xff\xfe")
+    assert compare(target, rank_dir("26.2.0", "bench", "stat_L1", 0)).modules.sources == ("stack.json",)
