@@ -423,7 +423,7 @@ document.getElementById("search").addEventListener("input", ev => {
 });
 window.addEventListener("hashchange", fromHash);
 measure();
-if (fdCall !== null) { openTo(fdNode); state.selected = fdCall; }
+if (fdCall !== null) openTo(fdNode);
 if (location.hash.length > 1) fromHash();
 else if (fdCall !== null) select(fdCall);
 else { search(); draw(); }

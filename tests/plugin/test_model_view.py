@@ -147,6 +147,17 @@ def test_a_call_in_the_fragment_opens_its_rows(compared: tuple[CompareResult, Pa
 
 
 @needs_chromium
+def test_a_node_in_the_fragment_is_opened(page: Path, tmp_path: Path) -> None:
+    dom = _dom(page, tmp_path / "profile", "#node=model.layer2.downsample")
+    opened = [n["path"] for n in dom.nodes if "open" in n["class"].split()]
+    assert {"model.layer2", "model.layer2.downsample"} <= set(opened)
+    assert {n["path"] for n in dom.nodes if n["parent"] == "model.layer2.downsample"} == {
+        "model.layer2.downsample.0",
+        "model.layer2.downsample.1",
+    }
+
+
+@needs_chromium
 def test_the_page_draws(page: Path, tmp_path: Path) -> None:
     shot = tmp_path / "model.png"
     run_chromium(tmp_path / "profile", page.as_uri(), f"--screenshot={shot}", size="1280,900")
