@@ -88,6 +88,7 @@ class CallDraft:
     row_stop: int
     one_side: bool
     base: str = ""
+    module: tuple[str, ...] = ()  # where in the model it was made (pytest_msprobe.compare.modules)
 
 
 @dataclass
@@ -106,6 +107,9 @@ class Builder:
     structural: dict[int, int] = field(default_factory=dict)  # call -> the one-side call that fed it
     # pair -> the records (target, baseline) of weights an update left moved by rounding noise -> the update
     noise: dict[int, dict[tuple[Any, Any], str]] = field(default_factory=dict)
+    # what each module path of the calls is, and which files told where the calls were made
+    modules: dict[tuple[str, ...], str] = field(default_factory=dict)
+    module_sources: list[str] = field(default_factory=list)
 
     def merge(self, part: Builder) -> None:
         """Append the pairs of ``part`` (a builder of later dump pairs) to this one."""
@@ -130,6 +134,9 @@ class Builder:
         self.opaque.update(i + calls for i in part.opaque)
         self.structural.update({i + calls: j + calls for i, j in part.structural.items()})
         self.noise.update({p + pairs: weights for p, weights in part.noise.items()})
+        for path, about in part.modules.items():
+            self.modules.setdefault(path, about)
+        self.module_sources.extend(s for s in part.module_sources if s not in self.module_sources)
 
     def _resolve_mode(self, t: Dump, b: Dump) -> str:
         if self.requested_mode == "auto":
@@ -415,4 +422,5 @@ def _call_result(a: CallDraft, order: int, rows: Sequence[RowResult]) -> ApiResu
         row_stop=a.row_stop,
         worst_row=worst_row,
         pair=a.pair,
+        module=a.module,
     )

@@ -124,6 +124,8 @@ class _Packed:
     opaque: set[int]
     structural: dict[int, int]
     noise: dict[int, dict[tuple[Any, Any], str]]
+    modules: dict[tuple[str, ...], str]
+    module_sources: list[str]
 
 
 def _names(cls: Any) -> tuple[str, ...]:
@@ -173,6 +175,8 @@ def _pack(builder: Builder) -> _Packed:
         builder.opaque,
         builder.structural,
         builder.noise,
+        builder.modules,
+        builder.module_sources,
     )
 
 
@@ -199,4 +203,5 @@ def _unpack(packed: _Packed) -> Builder:
     builder.apis = [CallDraft(*a) for a in packed.apis]
     builder.feeds, builder.opaque, builder.structural = packed.feeds, packed.opaque, packed.structural
     builder.noise = packed.noise
+    builder.modules, builder.module_sources = packed.modules, packed.module_sources
     return builder

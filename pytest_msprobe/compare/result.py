@@ -103,6 +103,8 @@ class ApiResult:
     row_stop: int
     worst_row: int | None  # index into rows of the row the reason is about
     pair: int = 0  # index into CompareResult.pairs
+    # where in the model it was made: module path, outermost first (see pytest_msprobe.compare.modules)
+    module: tuple[str, ...] = ()
 
     @property
     def rows(self) -> range:
@@ -271,6 +273,23 @@ def _place(step: int | None, rank: int | None) -> str:
     return ", ".join(p for p in parts if p) or "the dump"
 
 
+# the groups of calls that are no module of the model (ApiResult.module; parentheses keep them apart from any
+# attribute name)
+OUTSIDE_MODULES = ("(outside any module)",)  # before, after or between the model's module calls
+OPTIMIZER_MODULE = ("(optimizer)",)  # inside optimizer.step()
+UNKNOWN_MODULE = ("(no module known)",)  # neither construct.json nor a stack tells
+
+
+@dataclass(frozen=True)
+class Modules:
+    """The model's modules that the calls were made in (:attr:`ApiResult.module`): what each is (its class at
+    L0/mix, where it is called at L1) and which files told (``construct.json``, ``stack.json``; none: every
+    call's module is unknown)."""
+
+    about: dict[tuple[str, ...], str] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class CompareResult:
     """Everything a compare found. ``passed`` is False when any API breaches (a row with status error), the
@@ -296,6 +315,7 @@ class CompareResult:
         None  # the first call that overflows on the target only (it fails the compare)
     )
     trend: TrendResult | None = None  # the trend over many steps, where the test records one
+    modules: Modules = field(default_factory=Modules)  # the model's modules the calls were made in
 
     @property
     def passed(self) -> bool:

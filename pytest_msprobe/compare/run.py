@@ -28,10 +28,11 @@ from pytest_msprobe.compare.explain import (
     explain_noise_updates,
     explain_structural,
 )
+from pytest_msprobe.compare.modules import place_calls
 from pytest_msprobe.compare.overflow import compare_overflow
 from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
-from pytest_msprobe.compare.records import OUTPUT, read_dump, read_stack
+from pytest_msprobe.compare.records import OUTPUT, Dump, read_dump, read_stack
 from pytest_msprobe.compare.result import (
     ERROR,
     NONFINITE,
@@ -40,6 +41,7 @@ from pytest_msprobe.compare.result import (
     CompareResult,
     Coverage,
     DumpPair,
+    Modules,
     Overflow,
     PairCoverage,
     RowResult,
@@ -187,6 +189,7 @@ def compare(
         self_check=self_check,
         checklist=checklist,
         overflow=overflow,
+        modules=Modules(builder.modules, tuple(builder.module_sources)),
     )
 
 
@@ -316,10 +319,31 @@ def _compare_pair(task: PairTask) -> Builder | Unusable:
         builder.add_tensor_metrics(tensor_metrics_of(builder.tensor_files(), task.jobs))
     except DumpFormatError as exc:
         return (exc.path, exc.problem)
+    place_modules(builder, t_dump, b_dump)
     explain_in_place(builder)
     explain_structural(builder)
     explain_noise_updates(builder)
     return builder
+
+
+def place_modules(builder: Builder, t_dump: Dump, b_dump: Dump) -> None:
+    """Note where in the model each call of the builder's one pair was made: a call the target makes where
+    the target's files say, one only the baseline makes where the baseline's say."""
+    t_places = place_calls(t_dump)
+    b_places = None
+    for call in builder.apis:
+        if call.one_side and call.bench_api is not None:  # only in the baseline
+            b_places = b_places or place_calls(b_dump)
+            call.module = b_places.of(call.api)
+        else:
+            call.module = t_places.of(call.api)
+    for places in (t_places, b_places):
+        if places is None:
+            continue
+        for path, about in places.about.items():
+            builder.modules.setdefault(path, about)
+        if places.source and places.source not in builder.module_sources:
+            builder.module_sources.append(places.source)
 
 
 def _describe(loc: DumpLocation) -> str:

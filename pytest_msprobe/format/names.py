@@ -109,7 +109,7 @@ _DIRECTION = f"(?P<dir>{FORWARD}|{BACKWARD})"
 _API_NAME = re.compile(rf"^(?P<base>.+)\.(?P<n>\d+)\.{_DIRECTION}$")
 _MODULE_NAME = re.compile(rf"^(?P<base>.+)\.{_DIRECTION}\.(?P<n>\d+)$")
 # module records: ours and msprobe's for PyTorch (Module), msprobe's for MindSpore (Cell)
-_MODULE_PREFIXES = (f"{MODULE_PREFIX}.", "Cell.")
+MODULE_PREFIXES = (f"{MODULE_PREFIX}.", "Cell.")
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def parse_name(name: str) -> NameParts:
         if tail.isdigit():
             return NameParts(head, int(tail), BACKWARD, module_style=True)
         return NameParts(name, None, BACKWARD)
-    if name.startswith(_MODULE_PREFIXES):
+    if name.startswith(MODULE_PREFIXES):
         m = _MODULE_NAME.match(name)
         if m:
             return NameParts(m.group("base"), int(m.group("n")), m.group("dir"), module_style=True)

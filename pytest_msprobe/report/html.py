@@ -58,6 +58,36 @@ def plot_title(result: CompareResult) -> str:
 def error_plot_png(result: CompareResult) -> bytes | None:
     """A PNG of each API's error/allowed along execution order, or None without matplotlib or data."""
     try:
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    fig = error_plot_figure(result)
+    if fig is None:
+        return None
+    try:
+        return _png(fig)
+    finally:
+        plt.close(fig)
+
+
+STEP_BOUNDARY = "step-boundary"  # the gid of the plot's lines where a new step starts
+
+
+def step_starts(result: CompareResult, order: list[int]) -> list[tuple[int, int | None]]:
+    """(position in ``order``, step) where each step starts along the execution order, when there are several."""
+    starts: list[tuple[int, int | None]] = []
+    for pos, i in enumerate(order):
+        step = result.apis[i].step
+        if not starts or step != starts[-1][1]:
+            starts.append((pos, step))
+    return starts if len(starts) > 1 else []
+
+
+def error_plot_figure(result: CompareResult) -> Any:
+    """The matplotlib figure of :func:`error_plot_png`, laid out (None without matplotlib or data): the
+    caller closes it. Steps are marked where each starts; the legend sits outside the axes, so that it covers
+    no point and never the first divergence's marker."""
+    try:
         import matplotlib
 
         matplotlib.use("Agg", force=False)
@@ -71,7 +101,7 @@ def error_plot_png(result: CompareResult) -> bytes | None:
         return None
     ranks = sorted({a.rank for a in result.apis if a.rank is not None})
     several = len(ranks) > 1
-    fig, ax = plt.subplots(figsize=(10, 3.6), dpi=100)
+    fig, ax = plt.subplots(figsize=(11, 3.6), dpi=100)
     try:
         # colour: direction; marker: rank (when there are several)
         for direction, colour in (("forward", "#1f77b4"), ("backward", "#ff7f0e")):
@@ -96,15 +126,31 @@ def error_plot_png(result: CompareResult) -> bytes | None:
                     zorder=3,
                 )
         ax.axhline(1.0, color="#d62728", linewidth=1, linestyle="--", label="threshold")
+        for pos, step in step_starts(result, order):
+            if pos:
+                ax.axvline(pos - 0.5, color="#555555", linewidth=0.8, linestyle=":", gid=STEP_BOUNDARY)
+            ax.annotate(
+                f"step {step}",
+                xy=(pos, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, -3),
+                textcoords="offset points",
+                va="top",
+                fontsize=7,
+                color="#555555",
+            )
         fd = result.first_divergence
         if fd is not None:
             pos = order.index(fd.api_index)
             ax.axvline(pos, color="#d62728", linewidth=1.2)
+            # the label on the side of the line with more room, so that it stays inside the plot
+            right = pos <= 0.6 * max(len(order) - 1, 1)
             ax.annotate(
                 f"first divergence\n{fd.api}" + (f" (rank {fd.rank})" if several else ""),
                 xy=(pos, 1.0),
-                xytext=(8, 18),
+                xytext=(8 if right else -8, 18),
                 textcoords="offset points",
+                ha="left" if right else "right",
                 fontsize=8,
                 color="#d62728",
             )
@@ -112,11 +158,14 @@ def error_plot_png(result: CompareResult) -> bytes | None:
         ax.set_xlabel("API call, execution order (steps; forward, backward; ranks side by side)")
         ax.set_ylabel("error / allowed")
         ax.set_title(plot_title(result), fontsize=10)
-        ax.legend(loc="upper left", fontsize=8, frameon=False, ncol=2 if several else 1)
+        # outside the axes, right of them: no point, and no first-divergence marker, is ever under it
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, frameon=False)
         ax.grid(True, which="major", axis="y", alpha=0.3)
-        return _png(fig)
-    finally:
+        fig.tight_layout()
+        return fig
+    except BaseException:
         plt.close(fig)
+        raise
 
 
 def _png(fig: Any) -> bytes:
@@ -279,6 +328,7 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
             "advisor": "advisor",
             "summary": "summary.json",
             "own_errors": "own errors (csv)",
+            "model": "model view (html)",
         }
         links = " | ".join(_link(labels.get(k, k), v) for k, v in reports.items())
         parts.append(f"<p>Reports: {links}</p>")

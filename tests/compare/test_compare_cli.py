@@ -43,7 +43,8 @@ def test_a_breach_exits_1_and_writes_the_reports(tmp_path: Path, capsys: pytest.
     assert (
         names[0].startswith("advisor_")
         and names[1].startswith("compare_result_")
-        and names[2] == "summary.json"
+        and names[2].startswith("model_")
+        and names[3] == "summary.json"
     )
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["passed"] is False
 

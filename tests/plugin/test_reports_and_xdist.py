@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-import struct
 import subprocess
-import zlib
 from pathlib import Path
 
 import pytest
+from chromium import CHROMIUM, CHROMIUM_FLAGS, png_size_and_ink
 
 BASE = ["-p", "no:cacheprovider"]
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 def _failing_html_report(pytester: pytest.Pytester, train_test, fault_plugin: str) -> Path:
@@ -45,45 +32,6 @@ def test_html_report_carries_advisor_table_plot_and_links(
     assert "Suspect Nodes: Functional.relu.1.forward.output.0" in text
     assert "data:image/png;base64," in text
     assert "compare_result_" in text and ".xlsx" in text
-
-
-def _png_size_and_ink(data: bytes) -> tuple[int, int, float]:
-    """Width, height and the share of pixels that are not near-white, from a PNG (8-bit RGB/RGBA)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, width, height, ctype = 8, b"", 0, 0, 0
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        if kind == b"IHDR":
-            width, height, _depth, ctype = struct.unpack(">IIBB", body[:10])
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    channels = {2: 3, 6: 4}[ctype]
-    raw = zlib.decompress(idat)
-    stride = width * channels
-    ink = 0
-    prev = bytearray(stride)
-    for y in range(height):
-        f = raw[y * (stride + 1)]
-        line = bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
-        for x in range(stride):  # undo PNG filters
-            a = line[x - channels] if x >= channels else 0
-            b = prev[x]
-            c = prev[x - channels] if x >= channels else 0
-            if f == 1:
-                line[x] = (line[x] + a) & 0xFF
-            elif f == 2:
-                line[x] = (line[x] + b) & 0xFF
-            elif f == 3:
-                line[x] = (line[x] + (a + b) // 2) & 0xFF
-            elif f == 4:
-                p = a + b - c
-                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-                line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
-        ink += sum(1 for x in range(0, stride, channels) if min(line[x : x + 3]) < 200)
-        prev = line
-    return width, height, ink / (width * height)
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian package chromium)")
@@ -110,7 +58,7 @@ def test_html_report_renders_in_chromium(
         timeout=120,
         check=True,
     )
-    width, height, ink = _png_size_and_ink(shot.read_bytes())
+    width, height, ink = png_size_and_ink(shot.read_bytes())
     assert (width, height) == (1280, 2000)
     assert ink > 0.01, f"the screenshot is blank ({ink:.4f} of pixels drawn)"
 
