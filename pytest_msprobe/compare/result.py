@@ -20,6 +20,7 @@ from pytest_msprobe.compare.metrics import is_mask_fill as is_mask_fill  # (for 
 from pytest_msprobe.compare.rank_order import collective_op
 from pytest_msprobe.compare.records import NONE, OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.thresholds import Thresholds, format_share
+from pytest_msprobe.compare.thresholds import is_integral as is_integral  # (for the reports)
 from pytest_msprobe.compare.trend_result import GRAD_NORM as GRAD_NORM
 from pytest_msprobe.compare.trend_result import LOSS as LOSS
 from pytest_msprobe.compare.trend_result import TrendResult as TrendResult
@@ -288,6 +289,9 @@ class CompareResult:
     timestamp: str  # YYYYmmddHHMMSS, names the report files
     coverage: Coverage
     stacks: dict[str, tuple[str, ...]] = field(default_factory=dict)  # target API name -> call stack
+    # per dump pair (``pairs`` order), the target's stacks, where every pair's stack.json was read: a name's
+    # stack may differ between steps (an optimizer's first step has no momentum buffer yet)
+    pair_stacks: tuple[dict[str, tuple[str, ...]], ...] = ()
     missing: tuple[str, ...] = ()  # the unpaired dumps that only the baseline has: they fail the compare
     own: dict[int, OwnVerdict] = field(default_factory=dict)  # apis index -> own errors, where there are
     self_check: bool = False  # whether an out-of-line call fails the compare (the self-check was asked for)
@@ -339,6 +343,12 @@ class CompareResult:
         if first is not None:
             return first.headline(self.several_ranks).split(": ", 1)[0]
         return self.first_divergence.api if self.first_divergence is not None else ""
+
+    def stack_of(self, api: ApiResult) -> tuple[str, ...]:
+        """A call's stack: from its own dump pair's stack.json where each pair's was read, else by name."""
+        if self.pair_stacks:
+            return self.pair_stacks[api.pair].get(api.api, ())
+        return self.stacks.get(api.api, ())
 
     @property
     def out_of_line(self) -> list[ApiResult]:
