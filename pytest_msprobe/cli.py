@@ -1,7 +1,9 @@
 """The ``pytest-msprobe`` command line (also ``python -m pytest_msprobe``).
 
     pytest-msprobe compare TARGET BASELINE -o OUT [--fuzzy] [--mode M] [-j N] [threshold options]
+    pytest-msprobe compare -tp TARGET -gp GOLDEN -o OUT       # msprobe 26.x's form
     pytest-msprobe compare -i compare.json -o OUT [-s]        # msprobe 8.x's form
+    pytest-msprobe --version
 
 Exit status: 0 when every API is within its thresholds, 1 when any breaches, the target lacks a step or rank
 the baseline has, or too little of the baseline found a partner (``--max-unmatched``), 2 on unusable input or a
@@ -29,12 +31,69 @@ from pytest_msprobe.format.files import config_error, read_json
 
 PROG = "pytest-msprobe"
 
+# msprobe 26.x compare modes other than "auto": other tools' data (offline models, torchair graphs, ATB)
+MSPROBE_MODES = {
+    "offline_data": "compares offline-inference dump folders",
+    "torchair": "compares torchair graph dumps",
+    "offline_model": "runs and compares offline (om/onnx) models",
+    "atb": "compares Ascend Transformer Boost dumps",
+}
+# msprobe 26.x compare options this compare does not take: flags, nargs, what they are for
+MSPROBE_REFUSED: tuple[tuple[tuple[str, ...], str | None, str], ...] = (
+    (("-cm", "--cell_mapping"), "?", "maps MindSpore cells to PyTorch modules"),
+    (("-am", "--api_mapping"), "?", "maps MindSpore APIs to PyTorch APIs"),
+    (("-lm", "--layer_mapping"), "?", "maps layers across frameworks"),
+    (("-dm", "--data_mapping"), None, "pairs rows by a name mapping file"),
+    (("--rank",), None, "selects ranks of a MindSpore static-graph compare"),
+    (("--step",), None, "selects steps of a MindSpore static-graph compare"),
+    (("--consistent_check",), "flag", "compares training with inference (verl)"),
+    (("--backend",), None, "names the training backend of --consistent_check"),
+    (("--config",), None, "post-processes tensors of --consistent_check"),
+    (("-fr", "--fusion_rule_file"), None, "belongs to the offline_data mode"),
+    (("-qfr", "--quant_fusion_rule_file"), None, "belongs to the offline_data mode"),
+    (("-cfr", "--close_fusion_rule_file"), None, "belongs to the offline_data mode"),
+    (("--input_data",), None, "belongs to the offline_model mode"),
+    (("--input_shape",), None, "belongs to the offline_model mode"),
+    (("--output_size",), None, "belongs to the offline_model mode"),
+    (("--dym_shape_range",), None, "belongs to the offline_model mode"),
+    (("-ofs", "--onnx_fusion_switch"), None, "belongs to the offline_model mode"),
+)
+
+
+def version() -> str:
+    """The installed distribution's version (its metadata); the package's own where it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed(PROG)
+    except PackageNotFoundError:
+        from pytest_msprobe import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the metadata is read only when asked for (~15 ms, on every run otherwise)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, help: str | None = None):
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(f"{PROG} {version()}")
+        parser.exit()
+
+
+def _refused_dest(flags: tuple[str, ...]) -> str:
+    return "refused_" + flags[-1].lstrip("-")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from pytest_msprobe.options import add_threshold_options
     from pytest_msprobe.run.settings import parse_number
 
     parser = argparse.ArgumentParser(prog=PROG, description="Precision tools for msprobe-format dumps.")
+    parser.add_argument("-V", "--version", action=_VersionAction, help="print the version and exit")
     # msprobe's own command line takes the framework before the command (msprobe -f pytorch compare ...)
     parser.add_argument("-f", "--framework", choices=["pytorch"], default="pytorch", help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -43,10 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare a dump with a baseline dump",
         description="Compare a target dump (e.g. the NPU run) with a baseline dump (e.g. the GPU run): "
         "align their API calls, judge every row against the thresholds, name the first divergence, and "
-        "write compare_result_{timestamp}.xlsx, advisor_{timestamp}.txt and summary.json to OUT.",
+        "write compare_result_{timestamp}.xlsx, compare_result_{timestamp}.csv, advisor_{timestamp}.txt "
+        "and summary.json to OUT. The dumps are given as TARGET BASELINE, as msprobe 26.x's "
+        "-tp TARGET -gp GOLDEN, or as msprobe 8.x's -i compare.json.",
         epilog="exit status: 0 all within thresholds, 1 any API breaches or a step/rank of the baseline is "
-        "missing in the target, 2 unusable input or usage error",
+        "missing in the target, 2 unusable input or usage error (an msprobe option this compare does not "
+        "take, such as -dm or -cm, is a usage error that says what it is for)",
     )
+    cmp.set_defaults(command_parser=cmp)
     cmp.add_argument(
         "target",
         nargs="?",
@@ -54,6 +117,22 @@ def build_parser() -> argparse.ArgumentParser:
         "dump root holding step{N}/",
     )
     cmp.add_argument("baseline", nargs="?", help="reference dump, in any of the same forms")
+    cmp.add_argument(
+        "-tp",
+        "--target_path",
+        "--target-path",
+        dest="target_path",
+        metavar="TARGET",
+        help="msprobe 26.x's spelling of TARGET (NPU_Stack_Info is then filled, as msprobe 26.x does)",
+    )
+    cmp.add_argument(
+        "-gp",
+        "--golden_path",
+        "--golden-path",
+        dest="golden_path",
+        metavar="GOLDEN",
+        help="msprobe 26.x's spelling of BASELINE",
+    )
     cmp.add_argument(
         "-i",
         "--input-path",
@@ -89,9 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also pair calls of different API names whose tensors have the same dtypes and shapes",
     )
     cmp.add_argument(
+        "-m",
         "--mode",
-        choices=["auto", "statistics", "tensor", "md5"],
+        choices=["auto", "statistics", "tensor", "md5", *MSPROBE_MODES],
         default="auto",
+        metavar="{auto,statistics,tensor,md5}",
         help="auto: tensor when both dumps hold tensor files, md5 when both hold CRCs, else statistics",
     )
     cmp.add_argument(
@@ -106,6 +187,29 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "-hl", "--highlight", action="store_true", help=argparse.SUPPRESS
     )  # msprobe's; always on here
+    cmp.add_argument(
+        "--xlsx",
+        action="store_true",
+        help="(msprobe 26.x) accepted: the xlsx is always written, beside the CSV",
+    )
+    cmp.add_argument(
+        "-da",
+        "--diff_analyze",
+        action="store_true",
+        help="(msprobe 26.x) accepted: the first divergence is always named (summary.json, advisor)",
+    )
+    cmp.add_argument(
+        "-tensor_log",
+        "--is_print_compare_log",
+        action="store_true",
+        help="(msprobe 26.x) accepted: the console summary lists the worst rows",
+    )
+    for flags, nargs, _ in MSPROBE_REFUSED:
+        if nargs == "flag":
+            cmp.add_argument(*flags, dest=_refused_dest(flags), action="store_true", help=argparse.SUPPRESS)
+        else:
+            cmp.add_argument(*flags, dest=_refused_dest(flags), nargs=nargs, const=True if nargs else None,
+                             help=argparse.SUPPRESS)  # fmt: skip
     cmp.add_argument(
         "--self-check",
         dest="self_check",
@@ -131,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 no failing difference (context may differ), 1 a data, weight, buffer, "
         "hyperparameter or structure difference, 2 unusable input (no checklist to compare) or usage error",
     )
+    chk.set_defaults(command_parser=chk)
     chk.add_argument("target", metavar="TARGET", help="dump to check (dump root, step or rank folder)")
     chk.add_argument("baseline", metavar="BASELINE", help="reference dump, in any of the same forms")
     chk.add_argument("-o", "--output", dest="output_path", metavar="OUT",
@@ -142,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU in float64, and judge its dumped output (forward) or outgoing gradients (backward) against that "
         "replay: its own error, whatever flowed into it. Writes OUT/replay.json; exits 1 when a call is out of line, 0 otherwise, 2 on a usage error.",
     )
+    rep.set_defaults(command_parser=rep)
     rep.add_argument(
         "dump", metavar="DUMP", help="a tensor dump: dump root, step or rank folder, or dump.json"
     )
@@ -191,15 +297,35 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from pytest_msprobe.options import thresholds_from_options
     from pytest_msprobe.report import console_summary, write_reports
 
+    _refuse_msprobe_options(args, parser)
     stack_path = None
+    stack = args.stack_mode
+    forms = [
+        form
+        for form, given in (
+            ("TARGET BASELINE", args.target or args.baseline),
+            ("-tp TARGET -gp GOLDEN", args.target_path or args.golden_path),
+            ("-i COMPARE_JSON", args.input_path),
+        )
+        if given
+    ]
+    if len(forms) > 1:
+        parser.error(f"give the dumps one way, not as {' and as '.join(forms)}")
     if args.input_path:
-        if args.target or args.baseline:
-            parser.error("give TARGET BASELINE or -i COMPARE_JSON, not both")
         target, baseline, stack_path = _from_compare_json(args.input_path)
+    elif args.target_path or args.golden_path:
+        if not (args.target_path and args.golden_path):
+            parser.error(
+                "-tp TARGET and -gp GOLDEN go together: "
+                + ("-gp" if args.target_path else "-tp")
+                + " is missing"
+            )
+        target, baseline = args.target_path, args.golden_path
+        stack = True  # msprobe 26.x fills NPU_Stack_Info whenever stack.json is there
     elif args.target and args.baseline:
         target, baseline = args.target, args.baseline
     else:
-        parser.error("compare needs TARGET and BASELINE (or -i COMPARE_JSON)")
+        parser.error("compare needs TARGET and BASELINE (or -tp TARGET -gp GOLDEN, or -i COMPARE_JSON)")
     refuse_output_inside(args.output_path, ("TARGET", target), ("BASELINE", baseline))
     thresholds = thresholds_from_options(args)
     result = compare(
@@ -209,7 +335,7 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         fuzzy=args.fuzzy,
         mode=args.mode,
         jobs=args.jobs,
-        stack=args.stack_mode and stack_path is None,
+        stack=stack and stack_path is None,
         self_check=args.self_check,
         replay=args.replay,
     )
@@ -227,6 +353,18 @@ def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         except BrokenPipeError:  # (piped into head): the verdict stands, the rest of the text has no reader
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code
+
+
+def _refuse_msprobe_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """A usage error for an msprobe compare option or mode this compare does not take, saying what it is for."""
+    if args.mode in MSPROBE_MODES:
+        parser.error(
+            f"-m {args.mode}: msprobe's {args.mode} mode {MSPROBE_MODES[args.mode]}; pytest-msprobe compares "
+            "msprobe dumps (dump.json): -m auto, statistics, tensor or md5"
+        )
+    for flags, _, what in MSPROBE_REFUSED:
+        if getattr(args, _refused_dest(flags)) not in (None, False):
+            parser.error(f"{'/'.join(flags)}: msprobe's option that {what}; pytest-msprobe does not take it")
 
 
 def refuse_output_inside(out: str, *dumps: tuple[str, str]) -> None:
@@ -313,9 +451,13 @@ def _run_config_check(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        # a usage error of a command prints that command's usage, not the top-level one
+        command_parser: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        if unknown:
+            command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         if args.command == "compare":
-            return _run_compare(args, parser)
+            return _run_compare(args, command_parser)
         if args.command == "replay":
             return _run_replay(args)
         if args.command == "config-check":

@@ -29,10 +29,11 @@ mismatch gives no metric. Empty tensors give no metric. int and bool are compare
 one element: every metric but Cosine is defined for it (msprobe leaves EucDist and the ratios out).
 
 Statistics rows (task ``statistics``): ``diff = n - b`` for Max, Min, Mean and Norm; msprobe's relative error
-``|diff| / |b|`` (None where b == 0) as a number, not a "%" string; and ours, the **scaled error**: Max, Min and
-Mean differences divided by the tensor's range ``max(|Max|, |Min|)`` over both sides, the Norm difference by the
-larger Norm. The scale of a statistic that sits near zero (the mean of a normalised output) is the tensor's
-range, not the statistic itself, so its tiny absolute noise does not look like a huge relative error.
+``|diff| / |b|`` (None where b == 0) as a fraction (the reports write it as msprobe does, ``x 100`` then ``%``);
+and ours, the **scaled error**: Max, Min and Mean differences divided by the tensor's range ``max(|Max|, |Min|)``
+over both sides, the Norm difference by the larger Norm. The scale of a statistic that sits near zero (the mean
+of a normalised output) is the tensor's range, not the statistic itself, so its tiny absolute noise does not
+look like a huge relative error.
 
 Float32 data is compared in float32 with float64 accumulation across blocks of 64 Ki elements: the metrics
 agree with msprobe's float64 values to about 1e-6 relative, at a fraction of the cost.

@@ -10,16 +10,20 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeGuard
 
 from pytest_msprobe.compare.checklist import ChecklistResult, Difference
+from pytest_msprobe.compare.coverage import UNMATCHED_CAUSES as UNMATCHED_CAUSES
+from pytest_msprobe.compare.coverage import Coverage as Coverage
+from pytest_msprobe.compare.coverage import PairCoverage as PairCoverage
+from pytest_msprobe.compare.coverage import unmatched_share as unmatched_share
 from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetrics
 from pytest_msprobe.compare.metrics import is_mask_fill as is_mask_fill  # (for the reports)
 from pytest_msprobe.compare.rank_order import collective_op
 from pytest_msprobe.compare.records import NONE, OUTPUT, TENSOR, Leaf
-from pytest_msprobe.compare.thresholds import Thresholds, format_share
+from pytest_msprobe.compare.thresholds import Thresholds
+from pytest_msprobe.compare.thresholds import is_integral as is_integral  # (for the reports)
 from pytest_msprobe.compare.trend_result import GRAD_NORM as GRAD_NORM
 from pytest_msprobe.compare.trend_result import LOSS as LOSS
 from pytest_msprobe.compare.trend_result import TrendResult as TrendResult
@@ -177,102 +181,6 @@ class DumpPair:
     baseline_only: int
 
 
-# why a baseline's calls find no partner in the target, most common first
-UNMATCHED_CAUSES = (
-    "a different optimizer implementation (torch._foreach_* on CUDA, single-tensor loops on CPU)",
-    "a skipped backward() or optimizer.step()",
-    "another dump level (L0, L1, mix)",
-    "another model or other data",
-    "an API list that differs between msprobe versions",
-)
-
-
-@dataclass(frozen=True)
-class PairCoverage:
-    """How much of one dump pair's baseline found a partner in the target."""
-
-    step: int | None
-    rank: int | None
-    baseline_calls: int
-    unmatched_calls: int  # baseline calls the target does not make
-    baseline_rows: int
-    # baseline rows without a partner (those of unmatched calls and extra items of paired ones)
-    unmatched_rows: int
-
-    @property
-    def share(self) -> float:
-        return self.unmatched_rows / self.baseline_rows if self.baseline_rows else 0.0
-
-
-@dataclass(frozen=True)
-class Coverage:
-    """How much of the baseline was compared, each dump pair held to ``Thresholds.max_unmatched``.
-
-    A pair above the limit fails the compare whatever its compared rows say: a run that skipped its backward
-    pass, dumped another level or trained another model pairs few rows, and the few may well agree.
-    """
-
-    limit: float
-    pairs: tuple[PairCoverage, ...]  # CompareResult.pairs order
-    over: tuple[int, ...]  # indices into pairs: those above the limit
-    # CompareResult.apis indices: the over pairs' first unmatched baseline calls
-    first_unmatched: tuple[int, ...]
-
-    @property
-    def passed(self) -> bool:
-        return not self.over
-
-    def _total(self, name: str, pairs: Sequence[int] | None = None) -> int:
-        chosen = range(len(self.pairs)) if pairs is None else pairs
-        return sum(getattr(self.pairs[i], name) for i in chosen)
-
-    @property
-    def baseline_calls(self) -> int:
-        return self._total("baseline_calls")
-
-    @property
-    def unmatched_calls(self) -> int:
-        return self._total("unmatched_calls")
-
-    @property
-    def baseline_rows(self) -> int:
-        return self._total("baseline_rows")
-
-    @property
-    def unmatched_rows(self) -> int:
-        return self._total("unmatched_rows")
-
-    @property
-    def share(self) -> float:
-        """The share of all the baseline's rows that found no partner."""
-        rows = self.baseline_rows
-        return self.unmatched_rows / rows if rows else 0.0
-
-    @property
-    def headline(self) -> str | None:
-        """``too little compared: 18 of 26 baseline calls (40 of 52 rows, 77%) found no partner in the target;
-        the limit is 5%``, counted over the pairs above the limit (named when not all are); None when none is."""
-        if not self.over:
-            return None
-        calls, calls_of = self._total("unmatched_calls", self.over), self._total("baseline_calls", self.over)
-        rows, rows_of = self._total("unmatched_rows", self.over), self._total("baseline_rows", self.over)
-        where = ""
-        if len(self.over) < len(self.pairs):
-            named = "; ".join(_place(self.pairs[i].step, self.pairs[i].rank) for i in self.over[:3])
-            more = f" and {len(self.over) - 3} more" if len(self.over) > 3 else ""
-            where = f"in {named}{more} ({len(self.over)} of {len(self.pairs)} dump pairs), "
-        return (
-            f"too little compared: {where}{calls} of {calls_of} baseline calls ({rows} of {rows_of} rows, "
-            f"{format_share(rows / rows_of)}) found no partner in the target; the limit is "
-            f"{format_share(self.limit)}" + (" per dump pair" if where else "")
-        )
-
-
-def _place(step: int | None, rank: int | None) -> str:
-    parts = [f"step {step}" if step is not None else "", f"rank {rank}" if rank is not None else ""]
-    return ", ".join(p for p in parts if p) or "the dump"
-
-
 # the groups of calls that are no module of the model (ApiResult.module; parentheses keep them apart from any
 # attribute name)
 OUTSIDE_MODULES = ("(outside any module)",)  # before, after or between the model's module calls
@@ -307,6 +215,9 @@ class CompareResult:
     timestamp: str  # YYYYmmddHHMMSS, names the report files
     coverage: Coverage
     stacks: dict[str, tuple[str, ...]] = field(default_factory=dict)  # target API name -> call stack
+    # per dump pair (``pairs`` order), the target's stacks, where every pair's stack.json was read: a name's
+    # stack may differ between steps (an optimizer's first step has no momentum buffer yet)
+    pair_stacks: tuple[dict[str, tuple[str, ...]], ...] = ()
     missing: tuple[str, ...] = ()  # the unpaired dumps that only the baseline has: they fail the compare
     own: dict[int, OwnVerdict] = field(default_factory=dict)  # apis index -> own errors, where there are
     self_check: bool = False  # whether an out-of-line call fails the compare (the self-check was asked for)
@@ -359,6 +270,12 @@ class CompareResult:
         if first is not None:
             return first.headline(self.several_ranks).split(": ", 1)[0]
         return self.first_divergence.api if self.first_divergence is not None else ""
+
+    def stack_of(self, api: ApiResult) -> tuple[str, ...]:
+        """A call's stack: from its own dump pair's stack.json where each pair's was read, else by name."""
+        if self.pair_stacks:
+            return self.pair_stacks[api.pair].get(api.api, ())
+        return self.stacks.get(api.api, ())
 
     @property
     def out_of_line(self) -> list[ApiResult]:
@@ -469,11 +386,6 @@ def row_metric(row: RowResult) -> str:
 def collective(api: ApiResult) -> str | None:
     """The collective a call is (``all_reduce`` for ``Distributed.all_reduce.3.forward``), None for any other."""
     return collective_op(api.api)
-
-
-def unmatched_share(coverage: Coverage) -> str:
-    """The share of the baseline's rows that found no partner, as messages print it (``77%``)."""
-    return format_share(coverage.share)
 
 
 def fmt_number(x: float | None) -> str:

@@ -162,10 +162,12 @@ def compare(
         if inferred is not None:
             checklist = replace(checklist, differences=(inferred, *checklist.differences))
     stacks: dict[str, tuple[str, ...]] = {}
+    pair_stacks: list[dict[str, tuple[str, ...]]] = []
     if stack:
         for t_loc, _ in pairs:
-            for name, frames in read_stack(t_loc.path).items():
-                stacks.setdefault(name, tuple(frames))
+            pair_stacks.append({name: tuple(frames) for name, frames in read_stack(t_loc.path).items()})
+            for name, frames in pair_stacks[-1].items():
+                stacks.setdefault(name, frames)
     elif divergence is not None:
         by_name = read_stack(pairs[apis[divergence.api_index].pair][0].path)
         found = by_name.get(divergence.api) or by_name.get(parse_name(divergence.api).with_direction(FORWARD))
@@ -185,6 +187,7 @@ def compare(
         timestamp=datetime.datetime.now().strftime("%Y%m%d%H%M%S"),
         coverage=coverage,
         stacks=stacks,
+        pair_stacks=tuple(pair_stacks),
         own=own,
         self_check=self_check,
         checklist=checklist,

@@ -1,6 +1,7 @@
 """Reports of a compare, all views of one :class:`~pytest_msprobe.compare.result.CompareResult`:
 
 ``compare_result_{timestamp}.xlsx`` (msprobe 8.3.3's columns, then ours; rows coloured by verdict),
+``compare_result_{timestamp}.csv`` (msprobe 26.2.0's default output: its columns and conventions, then ours),
 ``advisor_{timestamp}.txt`` (where to look first and what to try), ``summary.json`` (the verdict for
 machines) and ``model_{timestamp}.html`` (the model view: the module tree coloured by error, :mod:`.model`),
 written atomically together; :func:`console_summary` is the terminal view (:mod:`.text` also makes the
@@ -18,6 +19,7 @@ from pytest_msprobe.errors import ReportError
 from pytest_msprobe.format.files import atomic_path, write_text
 from pytest_msprobe.report.advisor import advisor_text
 from pytest_msprobe.report.model import model_html
+from pytest_msprobe.report.msprobe_csv import write_csv
 from pytest_msprobe.report.own import own_csv, own_rows, own_sheet, self_check_rows
 from pytest_msprobe.report.summary import summary_dict, summary_json
 from pytest_msprobe.report.table import api_sheet, compare_sheet
@@ -30,19 +32,21 @@ __all__ = ["ReportError", "console_summary", "summary_dict", "write_reports", "w
 def write_reports(
     result: CompareResult, out_dir: str | os.PathLike[str], advisor: str | None = None
 ) -> dict[str, str]:
-    """Write the xlsx, the advisor, summary.json and the model view into ``out_dir`` (created if needed).
+    """Write the xlsx, the CSV, the advisor, summary.json and the model view into ``out_dir`` (created if needed).
 
     ``advisor`` is the advisor's text where the caller already made it (a test run keeps it for its HTML
     fragment), made here otherwise.
 
     All or nothing: the reports are written to temporary files first and renamed into place only once all
     are complete, so a failure (disk full, a read-only folder) leaves no partial report behind.
-    Returns ``{"xlsx": path, "advisor": path, "summary": path, "model": path}``, and ``"own_errors": path``
-    of ``own_errors.csv`` where calls have own errors (also the xlsx's ``own_errors`` sheet).
+    Returns ``{"xlsx": path, "csv": path, "advisor": path, "summary": path, "model": path}``, and
+    ``"own_errors": path`` of ``own_errors.csv`` where calls have own errors (also the xlsx's ``own_errors``
+    sheet).
     """
     out = Path(out_dir)
     paths = {
         "xlsx": str(out / f"compare_result_{result.timestamp}.xlsx"),
+        "csv": str(out / f"compare_result_{result.timestamp}.csv"),
         "advisor": str(out / f"advisor_{result.timestamp}.txt"),
         "summary": str(out / "summary.json"),
         "model": str(out / f"model_{result.timestamp}.html"),
@@ -61,6 +65,8 @@ def write_reports(
                 *([own_sheet(own)] if own is not None else []),
             ]
             write_xlsx(pending.enter_context(atomic_path(current)), sheets)
+            current = paths["csv"]
+            write_csv(pending.enter_context(atomic_path(current)), result)
             current = paths["advisor"]
             write_text(
                 pending.enter_context(atomic_path(current)),

@@ -1,6 +1,8 @@
 """The advisor: where to look first, in msprobe's ``Line`` / ``Suspect Nodes`` / ``Expert Advice`` layout.
 
-``Line`` is the spreadsheet row (header = row 1) of the suspect row in the compare_result sheet.
+``Line`` counts as msprobe 8.3.3's does: the suspect row's index among the rows of the compare table, from 0 at
+the first row under the header (its DataFrame index): Line 86 is spreadsheet row 88 of the compare_result sheet,
+and ``pandas.read_csv(csv).iloc[86]`` of the CSV.
 """
 
 from __future__ import annotations
@@ -366,7 +368,7 @@ def _call_advisor(result: CompareResult) -> str:
             if (
                 firsts
             ):  # the first baseline call the target does not make, as the row where the sheet shows it
-                line, node = str(result.apis[firsts[0]].row_start + 2), result.apis[firsts[0]].api
+                line, node = str(result.apis[firsts[0]].row_start), result.apis[firsts[0]].api
             return (
                 f"Line: {line}\nSuspect Nodes: {node}\nExpert Advice: {uncovered}\n\n{_unmatched_calls(result)}"
                 f"Of the rows paired: {note[0].lower()}{note[1:]}\n{_missing_text(result)}"
@@ -374,7 +376,7 @@ def _call_advisor(result: CompareResult) -> str:
         own = "\n".join(_out_of_line_calls(result))
         return f"Line: N/A\nSuspect Nodes: N/A\nExpert Advice: {note}\n{own + chr(10) if own else ''}{_missing_text(result)}"
     lines = [
-        f"Line: {fd.row_index + 2}",
+        f"Line: {fd.row_index}",
         f"Suspect Nodes: {fd.row}",
         f"Expert Advice: {advice(result, fd)}",
         "",

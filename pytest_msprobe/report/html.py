@@ -325,6 +325,7 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
     if reports:
         labels = {
             "xlsx": "compare result (xlsx)",
+            "csv": "compare result (csv)",
             "advisor": "advisor",
             "summary": "summary.json",
             "own_errors": "own errors (csv)",

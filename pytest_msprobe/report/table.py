@@ -1,13 +1,17 @@
 """The compare table: msprobe 8.3.3's columns in its order for the mode, then ours.
 
 Where msprobe printed a verdict (``Result``, ``Err_message``) the table holds ours; ``Accuracy Reached or
-Not`` (tensor mode) holds msprobe 8.3.3's own rule, so the two can be told apart. Relative errors are
-numbers (fractions), not "%" strings. Rows are red (error), yellow (warning) or grey (not compared); the row
-of the first divergence is bold.
+Not`` (tensor mode) holds msprobe 8.3.3's own rule, labelled as msprobe's wherever it disagrees with ours
+(``Yes (msprobe's rule; error by ours: ...)``). The statistics relative errors are msprobe's percent strings
+(``0.026424179449396738%``), the tensor metrics that are undefined msprobe's words (``unsupported``,
+``shape unmatched``, ``Nan``, ``N/A``): :func:`stat_cells` and :func:`tensor_cells`, shared with the CSV
+(:mod:`.msprobe_csv`). Rows are red (error), yellow (warning) or grey (not compared); the row of the first
+divergence is bold.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,6 +23,7 @@ from pytest_msprobe.compare.result import (
     CompareResult,
     RowResult,
     RowSide,
+    is_integral,
     is_none,
     is_tensor,
 )
@@ -81,11 +86,17 @@ MSPROBE_COLUMNS = {
 EXTRA_COLUMNS = ("Scaled Error", "Allowed", "Verdict", "Reason", "API Verdict", "Step", "Rank")
 TENSOR_EXTRA_COLUMNS = ("RelL2Err", "ScaledMaxAbsErr")
 NA = "N/A"
+# msprobe's words for a tensor metric it does not give (its 26.2.0 and 8.3.3 compares write the same)
+UNSUPPORTED, SHAPE_UNMATCHED, NAN_WORD = "unsupported", "shape unmatched", "Nan"
+
+
+def extra_columns(mode: str) -> tuple[str, ...]:
+    """Our columns, after msprobe's."""
+    return (*TENSOR_EXTRA_COLUMNS, *EXTRA_COLUMNS) if mode == "tensor" else EXTRA_COLUMNS
 
 
 def columns(mode: str) -> tuple[str, ...]:
-    extra = (*TENSOR_EXTRA_COLUMNS, *EXTRA_COLUMNS) if mode == "tensor" else EXTRA_COLUMNS
-    return (*MSPROBE_COLUMNS[mode], *extra)
+    return (*MSPROBE_COLUMNS[mode], *extra_columns(mode))
 
 
 def _dtype(leaf: RowSide) -> str:
@@ -106,7 +117,7 @@ def _shape(leaf: RowSide) -> str:
     return str(list(leaf.shape or ()))
 
 
-def _grad(leaf: RowSide) -> str:
+def requires_grad_cell(leaf: RowSide) -> str:
     if leaf is None or leaf.requires_grad is None:
         return NA
     return str(leaf.requires_grad)
@@ -127,7 +138,78 @@ def _num(value: float | None) -> Any:
     return NA if value is None else value
 
 
-def _consistent(row: RowResult) -> bool:
+def _nonfinite_word(value: float) -> str:
+    return NAN_WORD if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def stat_cells(row: RowResult) -> tuple[list[Any], list[Any]]:
+    """The Max/Min/Mean/L2norm diffs and relative errors of a statistics row, as msprobe 26.2.0 writes them.
+
+    A diff is target - baseline (a whole number for integer dtypes), ``0`` where the two statistics are the
+    same; a relative error is msprobe's percent string ``|diff / baseline| * 100`` + ``%``
+    (``0.026424179449396738%``), ``0`` where the statistics are the same and ``inf`` where the baseline's is 0.
+    Where they differ and a side is NaN or infinite, both cells are ``Nan``, ``inf`` or ``-inf`` (the diff's
+    sign); two None items, or a statistic neither dump gives (an integer tensor's Mean), are the same (``0``);
+    a side missing, or a statistic only one side gives, is ``N/A``. Read off :attr:`RowResult.stat`.
+    """
+    t, b = row.target, row.baseline
+    if t is None or b is None:
+        return [NA] * 4, [NA] * 4
+    if not (is_tensor(t) and is_tensor(b)):
+        same = is_tensor(t) == is_tensor(b) and is_none(t) == is_none(b) and str(t.value) == str(b.value)
+        return ([0] * 4, ["0"] * 4) if same else ([NA] * 4, [NA] * 4)
+    integral = is_integral(t.dtype) and is_integral(b.dtype)
+    stat = row.stat
+    diffs: list[Any] = []
+    rels: list[Any] = []
+    for i, (x, y) in enumerate(zip(t.stats, b.stats)):
+        d = None if stat is None else stat.diff[i]
+        if x is None or y is None or d is None:
+            same = x is None and y is None
+            diffs.append(0 if same else NA)
+            rels.append("0" if same else NA)
+        elif not math.isfinite(d):
+            diffs.append(_nonfinite_word(d))
+            rels.append(_nonfinite_word(d))
+        elif d == 0:
+            diffs.append(0)
+            rels.append("0")
+        else:
+            diffs.append(int(d) if integral and d.is_integer() else d)
+            r = stat.rel[i] if stat is not None else None
+            rels.append("inf" if r is None else f"{r * 100!r}%")
+    return diffs, rels
+
+
+def tensor_cells(row: RowResult) -> list[Any]:
+    """Cosine, EucDist, MaxAbsErr, MaxRelativeErr and the two ratios of a tensor row, with msprobe's words where
+    a metric is not given: ``unsupported`` (not two tensors, an empty tensor; Cosine with fewer than 2
+    elements; EucDist and the ratios of a 0-d tensor), ``shape unmatched``, ``N/A`` (NaN/Inf at different
+    places) and ``Nan`` (Cosine when one side is all zero). Read off :attr:`RowResult.tensor`."""
+    m = row.tensor
+    if m is not None and m.shape_differs:
+        return [SHAPE_UNMATCHED] * 6
+    if m is not None and m.nonfinite == "different":
+        return [NA] * 6
+    if m is None or m.numel == 0:
+        return [UNSUPPORTED] * 6
+    zero_d = any(is_tensor(side) and side.shape == () for side in (row.target, row.baseline))
+
+    def given(value: float | None, defined: bool = True) -> Any:
+        return value if value is not None and defined else UNSUPPORTED
+
+    cosine = m.cosine if m.cosine is not None else (UNSUPPORTED if m.numel < 2 else NAN_WORD)
+    return [
+        cosine,
+        given(m.euc_dist, not zero_d),
+        given(m.max_abs_err),
+        given(m.max_rel_err),
+        given(m.one_thousandth, not zero_d),
+        given(m.five_thousandths, not zero_d),
+    ]
+
+
+def consistent_cell(row: RowResult) -> bool:
     t, b = row.target, row.baseline
     if t is None or b is None or t.requires_grad is None or b.requires_grad is None:
         return True
@@ -135,22 +217,31 @@ def _consistent(row: RowResult) -> bool:
 
 
 def _accuracy(row: RowResult) -> str:
+    """msprobe 8.3.3's verdict, said to be msprobe's where ours differs: a msprobe user filtering on "No" still
+    finds its rows, and no row our verdict fails reads a plain "Yes"."""
     if row.status == UNMATCHED:
         return "Unmatched"
-    if row.msprobe_accuracy is not None:
-        return row.msprobe_accuracy
-    if row.problem == SHAPE:
-        return "Unmatched"
-    return NA
+    accuracy = row.msprobe_accuracy
+    if accuracy is None:
+        return "Unmatched" if row.problem == SHAPE else NA
+    if accuracy == "Yes" and row.status == ERROR:
+        return (
+            f"Yes (msprobe's rule; error by ours: {row.reason})"
+            if row.reason
+            else "Yes (msprobe's rule; error by ours)"
+        )
+    if accuracy == "No" and row.status != ERROR:
+        return f"No (msprobe's rule; {row.status} by ours)"
+    return accuracy
 
 
-def _data_name(row: RowResult) -> str:
+def data_name_cell(row: RowResult) -> str:
     t = (row.target.data_name or "-1") if row.target is not None else NA
     b = (row.baseline.data_name or "-1") if row.baseline is not None else NA
     return str([t, b])
 
 
-def _md5(leaf: RowSide) -> str:
+def md5_cell(leaf: RowSide) -> str:
     if leaf is None or is_none(leaf):
         return NA
     if leaf.md5 is not None:
@@ -164,7 +255,6 @@ def _md5(leaf: RowSide) -> str:
 
 def row_values(result: CompareResult, index: int, stack: str) -> list[Any]:
     row = result.rows[index]
-    api = result.apis[row.api_index]
     t, b = row.target, row.baseline
     values: list[Any] = [
         row.row if t is not None else NA,
@@ -173,35 +263,34 @@ def row_values(result: CompareResult, index: int, stack: str) -> list[Any]:
         _dtype(b),
         _shape(t),
         _shape(b),
-        _grad(t),
-        _grad(b),
+        requires_grad_cell(t),
+        requires_grad_cell(b),
     ]
     mode = result.mode
     if mode == "statistics":
-        stat = row.stat
-        diffs = [NA] * 4 if stat is None else [_num(x) for x in stat.diff]
-        rels = [NA] * 4 if stat is None else [_num(x) for x in stat.rel]
+        diffs, rels = stat_cells(row)
         values += diffs + rels + _stat_values(t) + _stat_values(b)
-        values += [_consistent(row), row.status, row.reason, stack]
+        values += [consistent_cell(row), row.status, row.reason, stack]
     elif mode == "tensor":
-        m = row.tensor
-        if m is not None:
-            values += [
-                _num(m.cosine),
-                _num(m.euc_dist),
-                _num(m.max_abs_err),
-                _num(m.max_rel_err),
-                _num(m.one_thousandth),
-                _num(m.five_thousandths),
-            ]
-        else:
-            values += [NA] * 6
+        values += tensor_cells(row)
         values += _stat_values(t) + _stat_values(b)
-        values += [_consistent(row), _accuracy(row), row.reason, stack, _data_name(row)]
-        values += [NA, NA] if m is None else [_num(m.rel_l2), _num(m.scaled_max_abs)]
+        values += [consistent_cell(row), _accuracy(row), row.reason, stack, data_name_cell(row)]
     else:
-        values += [_md5(t), _md5(b), _consistent(row), row.status, stack]
-    values += [
+        values += [md5_cell(t), md5_cell(b), consistent_cell(row), row.status, stack]
+    return values + extra_values(result, row)
+
+
+def extra_values(result: CompareResult, row: RowResult) -> list[Any]:
+    """The values of :func:`extra_columns` for a row."""
+    api = result.apis[row.api_index]
+    m = row.tensor
+    ours = (
+        ([NA, NA] if m is None else [_num(m.rel_l2), _num(m.scaled_max_abs)])
+        if result.mode == "tensor"
+        else []
+    )
+    return [
+        *ours,
         _num(row.error),
         _num(row.allowed),
         row.status,
@@ -210,7 +299,6 @@ def row_values(result: CompareResult, index: int, stack: str) -> list[Any]:
         NA if api.step is None else api.step,
         NA if api.rank is None else api.rank,
     ]
-    return values
 
 
 def _row_style(result: CompareResult, index: int) -> int:
@@ -234,17 +322,22 @@ def _widths(header: Sequence[str]) -> list[float]:
     return [float(wide.get(h, mid.get(h, 13))) for h in header]
 
 
+def stack_cells(result: CompareResult) -> Iterator[str]:
+    """NPU_Stack_Info of each row in order: its call's stack (from stack.json) on the call's first row, as
+    msprobe writes it, N/A elsewhere."""
+    first_rows = {api.row_start: api for api in result.apis}
+    for i in range(len(result.rows)):
+        api = first_rows.get(i)
+        frames = result.stack_of(api) if api is not None else ()
+        yield str(list(frames)) if frames else NA
+
+
 def compare_sheet(result: CompareResult) -> Sheet:
     """The main sheet: one row per compared item."""
     header = columns(result.mode)
-    first_rows = {api.row_start: api for api in result.apis}
 
     def rows() -> Iterator[list[Any]]:
-        for i in range(len(result.rows)):
-            stack = NA
-            api = first_rows.get(i)
-            if api is not None and api.api in result.stacks:
-                stack = str(list(result.stacks[api.api]))
+        for i, stack in enumerate(stack_cells(result)):
             yield row_values(result, i, stack)
 
     styles = (_row_style(result, i) for i in range(len(result.rows)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import pickle
@@ -12,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from compare_helpers import DATA, copy_dump, dump_dir
+from compare_helpers import DATA, copy_dump, dump_dir, rank_dir
 
 import pytest_msprobe
 from pytest_msprobe.cli import main
@@ -40,12 +41,14 @@ def test_a_breach_exits_1_and_writes_the_reports(tmp_path: Path, capsys: pytest.
     assert (code, err) == (1, "")
     assert "first divergence: Functional.relu.2.forward (step 0, rank 0)" in out
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert (
-        names[0].startswith("advisor_")
-        and names[1].startswith("compare_result_")
-        and names[2].startswith("model_")
-        and names[3] == "summary.json"
-    )
+    stamp = names[0].removeprefix("advisor_").removesuffix(".txt")
+    assert names == [
+        f"advisor_{stamp}.txt",
+        f"compare_result_{stamp}.csv",
+        f"compare_result_{stamp}.xlsx",
+        f"model_{stamp}.html",
+        "summary.json",
+    ]
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["passed"] is False
 
 
@@ -273,15 +276,123 @@ def test_unwritable_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         ([], "required"),
         (["compare"], "-o/--output-path"),
         (["compare", "-o", "x"], "compare needs TARGET and BASELINE"),
-        (["compare", "a", "b", "-i", "c.json", "-o", "x"], "not both"),
+        (["compare", "a", "b", "-i", "c.json", "-o", "x"], "not as TARGET BASELINE and as -i COMPARE_JSON"),
+        (["compare", "a", "b", "-tp", "c", "-gp", "d", "-o", "x"], "not as TARGET BASELINE and as -tp"),
+        (["compare", "-tp", "a", "-o", "x"], "-tp TARGET and -gp GOLDEN go together: -gp is missing"),
+        (["compare", "-gp", "a", "-o", "x"], "-tp is missing"),
         (["compare", "a", "b", "-o", "x", "--rtol", "lots"], "expected a number, got 'lots'"),
         (["compare", "a", "b", "-o", "x", "--jobs", "0"], "expected a number >= 1"),
         (["compare", "a", "b", "-o", "x", "--mode", "fast"], "invalid choice"),
+        (["compare", "a", "b", "-o", "x", "--bogus"], "unrecognized arguments: --bogus"),
+        (["compare", "a", "b", "c", "-o", "x"], "unrecognized arguments: c"),
+        (["config-check"], "the following arguments are required: TARGET, BASELINE"),
+        (["config-check", "a", "b", "--bogus"], "unrecognized arguments: --bogus"),
+        (["replay", "d"], "the following arguments are required: -o/--output"),
+        (["replay", "d", "-o", "x", "-tp", "y"], "unrecognized arguments: -tp y"),
     ],
 )
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
-    code, _, err = run(argv, capsys)
-    assert code == 2 and message in err and "Traceback" not in err
+    """A usage error prints the usage of the command it is about (the top-level one only without a command)."""
+    code, out, err = run(argv, capsys)
+    assert code == 2 and message in err and "Traceback" not in err and out == ""
+    usage = "usage: pytest-msprobe " + (f"{argv[0]} [-h]" if argv else "[-h]")
+    assert err.startswith(usage), err
+    command = argv[0] if argv else None
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"pytest-msprobe {command}: error: " if command else "pytest-msprobe: error: ")
+    )
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (
+            ["-dm", "mapping.yaml"],
+            "-dm/--data_mapping: msprobe's option that pairs rows by a name mapping file",
+        ),
+        (
+            ["--data_mapping", "mapping.yaml"],
+            "-dm/--data_mapping: msprobe's option that pairs rows by a name mapping file",
+        ),
+        (["-cm"], "-cm/--cell_mapping: msprobe's option that maps MindSpore cells to PyTorch modules"),
+        (["-am", "api.yaml"], "-am/--api_mapping: msprobe's option that maps MindSpore APIs"),
+        (["-lm"], "-lm/--layer_mapping"),
+        (["--rank", "0"], "--rank: msprobe's option that selects ranks of a MindSpore static-graph compare"),
+        (["--step", "1"], "--step: msprobe's option that selects steps"),
+        (
+            ["--consistent_check"],
+            "--consistent_check: msprobe's option that compares training with inference",
+        ),
+        (["--backend", "fsdp"], "--backend"),
+        (
+            ["-fr", "rules.json"],
+            "-fr/--fusion_rule_file: msprobe's option that belongs to the offline_data mode",
+        ),
+        (
+            ["--input_shape", "x:1,2"],
+            "--input_shape: msprobe's option that belongs to the offline_model mode",
+        ),
+        (["-m", "offline_model"], "-m offline_model: msprobe's offline_model mode runs and compares offline"),
+        (["--mode", "torchair"], "-m torchair: msprobe's torchair mode"),
+    ],
+)
+def test_msprobe_options_this_compare_does_not_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: list[str], message: str
+) -> None:
+    """msprobe 26.x's compare options that make no sense here are usage errors that say what they are, never
+    "unrecognized arguments"."""
+    npu, bench = str(dump_dir("26.2.0", "npu", "stat_L1", 0)), str(dump_dir("26.2.0", "bench", "stat_L1", 0))
+    code, out, err = run(["compare", "-tp", npu, "-gp", bench, "-o", str(tmp_path / "out"), *option], capsys)
+    assert (code, out) == (2, "") and err.startswith("usage: pytest-msprobe compare [-h]")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("pytest-msprobe compare: error: ") and message in last
+    assert "unrecognized" not in err and not (tmp_path / "out").exists()
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    for flag in ("--version", "-V"):
+        code, out, err = run([flag], capsys)
+        assert (code, err) == (0, "") and out == f"pytest-msprobe {version('pytest-msprobe')}\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest_msprobe", "--version"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout.split()) == (0, ["pytest-msprobe", version("pytest-msprobe")])
+
+
+@pytest.mark.parametrize("form", ["dump.json", "rank folder", "step folder", "dump root"])
+def test_msprobe_26_form(tmp_path: Path, capsys: pytest.CaptureFixture[str], form: str) -> None:
+    """msprobe 26.x's spelling: -tp TARGET -gp GOLDEN -o OUT, on the dump.json files or the folders msprobe
+    takes, with msprobe 26's accepted switches; NPU_Stack_Info is filled, as msprobe 26 fills it."""
+
+    def where(side: str) -> Path:
+        if form == "dump root":
+            return dump_dir("26.2.0", side, "stat_L1")
+        if form == "step folder":
+            return dump_dir("26.2.0", side, "stat_L1", 0)
+        folder = rank_dir("26.2.0", side, "stat_L1", 0)
+        return folder / "dump.json" if form == "dump.json" else folder
+
+    out = tmp_path / "out"
+    argv = ["compare", "-tp", str(where("npu")), "-gp", str(where("bench")), "-o", str(out)]
+    code, text, err = run([*argv, "--xlsx", "-da", "-tensor_log", "-m", "auto"], capsys)
+    assert (code, err) == (1, "")
+    assert "first divergence: Functional.relu.2.forward (step 0, rank 0)" in text
+    (table,) = out.glob("compare_result_*.csv")
+    with table.open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["Step"] for r in rows} == ({"0", "1"} if form == "dump root" else {"0"})
+    assert "make_dumps.py" in rows[0]["NPU_Stack_Info"]
+    code, text, _ = run(["compare", "--target_path", str(where("npu")), "--golden_path", str(where("bench")),
+                         "-o", str(tmp_path / "again"), "-q"], capsys)  # fmt: skip
+    assert (code, text) == (1, "")
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:

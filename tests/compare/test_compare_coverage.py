@@ -111,7 +111,10 @@ def test_every_report_shows_it(runs: dict[str, Path], tmp_path: Path) -> None:
     assert advisor == advisor_text(result)
     lines = advisor.splitlines()
     first = result.apis[result.coverage.first_unmatched[0]]
-    assert lines[:2] == [f"Line: {first.row_start + 2}", "Suspect Nodes: Torch.ones_like.0.forward"]
+    assert lines[:2] == [
+        f"Line: {first.row_start}",
+        "Suspect Nodes: Torch.ones_like.0.forward",
+    ]  # 0: first row
     assert lines[2].startswith(f"Expert Advice: T{headline[1:]}: the compare cannot vouch for a run")
     assert "None" not in advisor
 

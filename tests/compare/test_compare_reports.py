@@ -83,17 +83,26 @@ def test_xlsx_is_readable_a_frozen_header_widths_a_filter(
     assert orders == sorted(orders)
 
 
-def test_statistics_cells_are_numbers_not_percent_strings(tmp_path: Path) -> None:
+def test_statistics_cells_diffs_are_numbers_relative_errors_msprobes_percent_strings(tmp_path: Path) -> None:
     result = compare(dump_dir("8.3.3", "npu", "stat_L1", 0), dump_dir("8.3.3", "bench", "stat_L1", 0))
     sheet = openpyxl.load_workbook(write_reports(result, tmp_path)["xlsx"])["compare_result"]
     header = [c.value for c in sheet[1]]
     row = {h: sheet.cell(result.first_divergence.row_index + 2, i + 1).value for i, h in enumerate(header)}  # type: ignore[union-attr]
     assert row["Min diff"] == pytest.approx(-0.003332499647513)
-    assert row["MaxRelativeErr"] == pytest.approx(0.00026424179449396738)  # msprobe: "0.0264...%"
-    assert row["MinRelativeErr"] == "N/A"  # the baseline's Min is 0
+    # percent strings, as msprobe writes them (8.3.3's xlsx has the same string for this row), not fractions
+    assert row["MaxRelativeErr"] == "0.026424179449396738%"
+    assert row["NormRelativeErr"] == "0.00035281844798692915%"
+    assert row["MinRelativeErr"] == "inf"  # the baseline's Min is 0 (msprobe 26.2.0's word; 8.3.3 wrote N/A)
+    assert row["Scaled Error"] == pytest.approx(5.58e-4, rel=1e-3)  # ours stays a number, in its own column
     assert row["NPU Tensor Shape"] == "[8, 8, 8, 8]" and row["NPU Requires_grad"] == "True"
     assert row["Result"] == "error" and row["Verdict"] == "error" and row["Step"] == 0
-    assert row["Scaled Error"] == pytest.approx(5.58e-4, rel=1e-3) and row["Allowed"] == 1e-4
+    assert row["Allowed"] == 1e-4
+    same = {
+        h: sheet.cell(2, i + 1).value for i, h in enumerate(header)
+    }  # the first conv's input: no difference
+    assert [same[f"{s}RelativeErr"] for s in ("Max", "Min", "Mean", "Norm")] == ["0"] * 4 and same[
+        "Max diff"
+    ] == 0
     plain = {
         h: sheet.cell(6, i + 1).value for i, h in enumerate(header)
     }  # Functional.conv2d.0.forward.input.3.0
@@ -118,7 +127,7 @@ def test_advisor_names_the_first_divergence(reported: tuple[CompareResult, dict[
     result, paths = reported
     text = Path(paths["advisor"]).read_text()
     lines = text.splitlines()
-    assert lines[0] == f"Line: {result.first_divergence.row_index + 2}"  # type: ignore[union-attr]
+    assert lines[0] == f"Line: {result.first_divergence.row_index}"  # type: ignore[union-attr]
     assert lines[1] == "Suspect Nodes: Functional.relu.2.forward.output.0"
     advice = (
         "computes its output less precisely than its own inputs allow: against a float64 replay"
@@ -129,8 +138,9 @@ def test_advisor_names_the_first_divergence(reported: tuple[CompareResult, dict[
     if result.mode == "tensor":
         assert "Calls out of line (1;" in text and "  Functional.relu.2.forward (step 0, rank 0): " in text
     assert "make_dumps.py" in lines[2]  # where the call is in the user's code
+    # msprobe's Line is the row's index under the header: the sheet's row Line + 2
     sheet = openpyxl.load_workbook(paths["xlsx"])["compare_result"]
-    assert sheet.cell(int(lines[0].split()[1]), 1).value == "Functional.relu.2.forward.output.0"
+    assert sheet.cell(int(lines[0].split()[1]) + 2, 1).value == "Functional.relu.2.forward.output.0"
 
 
 def test_advisor_when_everything_passes(tmp_path: Path) -> None:
@@ -246,3 +256,66 @@ def test_xlsx_writer_edge_values(tmp_path: Path) -> None:
     assert values[5] == "ab<c>&" and len(values[6]) == xw.MAX_CELL and values[7] == 3
     assert sheet.cell(2, 1).fill.fgColor.rgb == xw.YELLOW_RGB
     assert xw.column_letter(1) == "A" and xw.column_letter(27) == "AA" and xw.column_letter(703) == "AAA"
+
+
+def test_advisor_line_counts_as_msprobes(reported: tuple[CompareResult, dict[str, str]]) -> None:
+    """msprobe 8.3.3's ``Line`` is the row's index under the header (its advisor's Line 86 names the row in
+    spreadsheet row 88); ours counts the same way, and on this pair our table's rows are msprobe's."""
+    result, paths = reported
+    folder = DATA / "msprobe-8.3.3" / "compare" / f"npu_vs_bench_{KINDS[result.mode]}_step0"
+    (their_advisor,) = folder.glob("advisor_*.txt")
+    their_line, their_node = their_advisor.read_text().splitlines()[:2]
+    index = int(their_line.removeprefix("Line: "))
+    (their_xlsx,) = folder.glob("*.xlsx")
+    assert openpyxl.load_workbook(their_xlsx).active.cell(index + 2, 1).value == their_node.split(": ")[1]
+    ours = openpyxl.load_workbook(paths["xlsx"])["compare_result"]
+    assert ours.cell(index + 2, 1).value == their_node.split(": ")[1]
+    line, node = Path(paths["advisor"]).read_text().splitlines()[:2]
+    assert ours.cell(int(line.removeprefix("Line: ")) + 2, 1).value == node.split(": ")[1]
+    if result.mode == "statistics":  # both name the relu's output
+        assert (
+            (line, node)
+            == (their_line, their_node)
+            == ("Line: 86", "Suspect Nodes: Functional.relu.2.forward.output.0")
+        )
+
+
+def test_accuracy_column_never_says_a_plain_yes_on_our_error(tmp_path: Path) -> None:
+    """Tensor mode: "Accuracy Reached or Not" is msprobe 8.3.3's rule; where ours disagrees the cell says whose
+    rule it is, so a row our verdict fails never reads a plain "Yes"."""
+    result = compare(dump_dir("8.3.3", "npu", "tensor_L1", 0), dump_dir("8.3.3", "bench", "tensor_L1", 0))
+    sheet = openpyxl.load_workbook(write_reports(result, tmp_path)["xlsx"])["compare_result"]
+    header = [c.value for c in sheet[1]]
+    col, verdict = header.index("Accuracy Reached or Not") + 1, header.index("Verdict") + 1
+    cells = {sheet.cell(i + 2, 1).value: (sheet.cell(i + 2, col).value, sheet.cell(i + 2, verdict).value)
+             for i in range(len(result.rows))}  # fmt: skip
+    relu = result.rows[result.first_divergence.row_index]  # type: ignore[union-attr]
+    assert relu.msprobe_accuracy == "Yes" and relu.status == "error"  # msprobe's rule passes the noisy relu
+    assert cells[relu.row][0] == f"Yes (msprobe's rule; error by ours: {relu.reason})"
+    assert not [name for name, (accuracy, ours) in cells.items() if ours == "error" and accuracy == "Yes"]
+    for accuracy, ours in cells.values():
+        if accuracy.startswith("No"):
+            assert (accuracy == "No") == (ours == "error"), accuracy
+    assert cells["Functional.conv2d.0.forward.input.0"] == ("Yes", "pass")
+
+
+def test_a_csv_that_cannot_be_written_leaves_the_old_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pytest_msprobe.report as report
+
+    result = compare(dump_dir("8.3.3", "npu", "stat_L1", 0), dump_dir("8.3.3", "bench", "stat_L1", 0))
+    paths = write_reports(result, tmp_path)
+    before = {name: Path(p).read_bytes() for name, p in paths.items()}
+    assert set(paths) == {"xlsx", "csv", "advisor", "summary", "model"}
+
+    def broken(path: str, result: CompareResult) -> None:
+        Path(path).write_text("NPU Name,Bench Name\n")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "write_csv", broken)
+    with pytest.raises(ReportError, match="No space left") as info:
+        write_reports(result, tmp_path)
+    assert str(info.value).startswith(paths["csv"])
+    assert {name: Path(p).read_bytes() for name, p in paths.items()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(Path(p).name for p in paths.values())

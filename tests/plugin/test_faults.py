@@ -3,6 +3,7 @@ baseline, dumps have a size limit, and the dumps of passing tests are removed.""
 
 from __future__ import annotations
 
+import csv
 import errno
 import json
 import os
@@ -232,6 +233,14 @@ def test_the_dumps_of_passing_tests_go_and_those_of_failing_tests_stay(
     assert json.loads((reports / "summary.json").read_text())["passed"] is True
     assert len(list(reports.glob("compare_result_*.xlsx"))) == 1
     assert len(list(reports.glob("advisor_*.txt"))) == 1
+    (table,) = reports.glob("compare_result_*.csv")  # msprobe 26's CSV, a passing test's rows all pass
+    with table.open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert (
+        rows
+        and {r["Result"] for r in rows} <= {"pass", "warning"}
+        and {r["Step"] for r in rows} == {"0", "1"}
+    )
 
     pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--msprobe-keep-dumps").assert_outcomes(passed=1)
     assert (_output(pytester) / "dump" / "step1" / "rank" / "dump.json").is_file()

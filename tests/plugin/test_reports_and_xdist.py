@@ -32,6 +32,7 @@ def test_html_report_carries_advisor_table_plot_and_links(
     assert "Suspect Nodes: Functional.relu.1.forward.output.0" in text
     assert "data:image/png;base64," in text
     assert "compare_result_" in text and ".xlsx" in text
+    assert "compare result (csv)" in text
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian package chromium)")

@@ -1,0 +1,214 @@
+"""The compare table as msprobe 26.2.0's CSV (``compare_result_{timestamp}.csv``), its default output.
+
+msprobe's columns for the mode in its order, written as it writes them, then ours (those of the xlsx after
+msprobe's: the scaled error, its tolerance, our verdict and reason, the call's verdict, Step and Rank), so a
+msprobe user's tooling (``pandas.read_csv(...)["Result"]``, a column by position) reads it unchanged:
+
+- ``Result`` is our verdict in msprobe's words: ``pass``, ``warning`` or ``error``; a row only one side has
+  (our ``unmatched``) is a ``warning``, a row not compared (``skipped``: a None, an empty tensor) a ``pass``;
+  ``Verdict`` keeps ours as it is. ``Err_message`` is msprobe's JSON list (``[]``, ``["error: <reason>"]``).
+- A None item's dtype and shape are ``N/A``, its statistics ``None``; a missing side is ``N/A`` throughout.
+  Statistics are written as the dumps hold them (integer tensors' as whole numbers, bool tensors' as
+  ``True``/``False``, a statistic the dump does not give as ``None``); diffs and relative errors as
+  :func:`~pytest_msprobe.report.table.stat_cells` says, tensor metrics as
+  :func:`~pytest_msprobe.report.table.tensor_cells` says, rounded as msprobe rounds them (to 12 decimals, a
+  Cosine above 0.9999 to 6; our RelL2Err and ScaledMaxAbsErr, and the xlsx, keep every digit).
+
+One file holds every dump pair (step, rank) of the compare, the rows of each pair in msprobe's order and the
+pairs in (step, rank) order; the ``Step`` and ``Rank`` columns say whose a row is (msprobe writes one file per
+rank folder of one step). Written in one pass, one row at a time; unlike the xlsx it has no row limit.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from pytest_msprobe.compare.result import (
+    ERROR,
+    PASS,
+    SKIPPED,
+    UNMATCHED,
+    WARNING,
+    CompareResult,
+    RowResult,
+    RowSide,
+    is_integral,
+    is_none,
+    is_tensor,
+)
+from pytest_msprobe.report.table import (
+    BASE_COLUMNS,
+    NA,
+    NAN_WORD,
+    consistent_cell,
+    data_name_cell,
+    extra_columns,
+    extra_values,
+    md5_cell,
+    requires_grad_cell,
+    stack_cells,
+    stat_cells,
+    tensor_cells,
+)
+
+_STATS = (
+    "NPU max",
+    "NPU min",
+    "NPU mean",
+    "NPU l2norm",
+    "Bench max",
+    "Bench min",
+    "Bench mean",
+    "Bench l2norm",
+)
+CSV_COLUMNS = {
+    "statistics": (
+        *BASE_COLUMNS,
+        "Max diff",
+        "Min diff",
+        "Mean diff",
+        "L2norm diff",
+        "MaxRelativeErr",
+        "MinRelativeErr",
+        "MeanRelativeErr",
+        "NormRelativeErr",
+        *_STATS,
+        "Requires_grad Consistent",
+        "Result",
+        "Err_message",
+        "NPU_Stack_Info",
+    ),
+    "tensor": (
+        *BASE_COLUMNS,
+        "Cosine",
+        "EucDist",
+        "MaxAbsErr",
+        "MaxRelativeErr",
+        "One Thousandth Err Ratio",
+        "Five Thousandths Err Ratio",
+        *_STATS,
+        "Requires_grad Consistent",
+        "Result",
+        "Err_message",
+        "NPU_Stack_Info",
+        "Data_name",
+    ),
+    "md5": (
+        *BASE_COLUMNS,
+        "NPU MD5",
+        "BENCH MD5",
+        "Requires_grad Consistent",
+        "Result",
+        "Err_message",
+        "NPU_Stack_Info",
+    ),
+}
+"""msprobe 26.2.0's header for each mode (its CSVs in tests/data/msprobe/msprobe-26.2.0/compare)."""
+
+# our row verdict in msprobe's three words
+RESULT = {PASS: "pass", WARNING: "warning", ERROR: "error", UNMATCHED: "warning", SKIPPED: "pass"}
+
+
+def csv_columns(mode: str) -> tuple[str, ...]:
+    """msprobe 26.2.0's columns for the mode, then ours."""
+    return (*CSV_COLUMNS[mode], *extra_columns(mode))
+
+
+def _dtype(leaf: RowSide) -> str:
+    if leaf is None or is_none(leaf):
+        return NA
+    return str(leaf.dtype) if is_tensor(leaf) else f"<class '{leaf.type}'>"
+
+
+def _shape(leaf: RowSide) -> str:
+    if leaf is None or is_none(leaf):
+        return NA
+    return str(list(leaf.shape or ()))
+
+
+def _stat(value: float | None, dtype: str | None) -> Any:
+    if value is None:
+        return "None"
+    if not math.isfinite(value):
+        return NAN_WORD if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if dtype in ("torch.bool", "bool"):
+        return value != 0
+    if is_integral(dtype) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _stats(leaf: RowSide) -> list[Any]:
+    if leaf is None:
+        return [NA] * 4
+    if is_none(leaf):
+        return ["None"] * 4
+    if not is_tensor(leaf):
+        return [leaf.value] * 4
+    return [_stat(v, leaf.dtype) for v in leaf.stats]
+
+
+COSINE_ROUNDED = 0.9999  # a Cosine above it msprobe gives to 6 decimals
+
+
+def _rounded(cells: list[Any]) -> list[Any]:
+    """The tensor metrics as msprobe shows them: to 12 decimals (all but EucDist), a Cosine above
+    :data:`COSINE_ROUNDED` to 6 (1 - 2e-7 reads 1.0)."""
+    out = list(cells)
+    for i in (0, 2, 3, 4, 5):
+        value = out[i]
+        if isinstance(value, float) and math.isfinite(value):
+            value = float(f"{value:.12f}")
+            out[i] = round(value, 6) if i == 0 and value > COSINE_ROUNDED else value
+    return out
+
+
+def _err_message(row: RowResult, result_word: str) -> str:
+    if result_word == "pass" or not row.reason:
+        return "[]"
+    return json.dumps([f"{result_word}: {row.reason}"], ensure_ascii=False)
+
+
+def csv_row(result: CompareResult, row: RowResult, stack: str) -> list[Any]:
+    """One row of the CSV."""
+    t, b = row.target, row.baseline
+    word = RESULT[row.status]
+    values: list[Any] = [
+        row.row if t is not None else NA,
+        row.bench_row if b is not None else NA,
+        _dtype(t),
+        _dtype(b),
+        _shape(t),
+        _shape(b),
+        requires_grad_cell(t),
+        requires_grad_cell(b),
+    ]
+    if result.mode == "statistics":
+        diffs, rels = stat_cells(row)
+        values += [*diffs, *rels, *_stats(t), *_stats(b)]
+        values += [consistent_cell(row), word, _err_message(row, word), stack]
+    elif result.mode == "tensor":
+        values += [*_rounded(tensor_cells(row)), *_stats(t), *_stats(b)]
+        values += [consistent_cell(row), word, _err_message(row, word), stack, data_name_cell(row)]
+    else:
+        values += [md5_cell(t), md5_cell(b), consistent_cell(row), word, _err_message(row, word), stack]
+    return values + extra_values(result, row)
+
+
+def csv_rows(result: CompareResult) -> Iterator[list[Any]]:
+    """Every row of the CSV after the header, in the compare's row order."""
+    for row, stack in zip(result.rows, stack_cells(result)):
+        yield csv_row(result, row, stack)
+
+
+def write_csv(path: str | os.PathLike[str], result: CompareResult) -> None:
+    """Write the CSV to ``path`` (the caller makes it atomic)."""
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(csv_columns(result.mode))
+        writer.writerows(csv_rows(result))
