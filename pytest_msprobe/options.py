@@ -191,6 +191,13 @@ TREND_RTOL = Option(
     check=settings.check_trend_rtol, check_names_it=True, ini_help="relative tolerance of the trend ({flag})",
     help="relative tolerance of the trend (default: the training dtype's, float32 1e-4) (ini: {ini})",
 )
+REPORT_ONLY = Option(
+    "report_only", flag="--msprobe-report-only", ini="msprobe_report_only", marker="report_only",
+    default=False, action="store_true", check=settings.check_flag,
+    help="record each msprobe test's precision verdict (a breach, a missing baseline) in the reports without "
+    "failing the test; usage errors and unusable baselines still do (ini: {ini}; marker: {marker}=)",
+    ini_help="true: record precision verdicts without failing the tests ({flag})",
+)
 # a rank process's part of its test, given by the plugin
 RANK_SPEC = Option("rank_spec", flag="--msprobe-rank-spec", help=argparse.SUPPRESS)
 THRESHOLD_OPTIONS = (
@@ -261,7 +268,7 @@ THRESHOLD_OPTIONS = (
 )
 OPTIONS: tuple[Option, ...] = (
     BASELINE, REGEN, OUTPUT, DEVICE, TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, KEEP_DUMPS, SELF_CHECK, CHECKLIST_ENV,
-    WORLD_SIZE, BACKEND, RANK_TIMEOUT, TREND_STEPS, TREND_RTOL, RANK_SPEC, *THRESHOLD_OPTIONS,
+    WORLD_SIZE, BACKEND, RANK_TIMEOUT, TREND_STEPS, TREND_RTOL, REPORT_ONLY, RANK_SPEC, *THRESHOLD_OPTIONS,
 )
 # fmt: on
 BY_NAME = {opt.name: opt for opt in OPTIONS}
@@ -456,12 +463,11 @@ def thresholds_from_options(options: Any, prefix: str = "") -> Thresholds:
 
 # ------------------------------------------------------------------------------------------------ settings
 def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> SessionSettings:
-    """Session settings; command-line paths are relative to where pytest was started, ini paths to the ini
-    file.
+    """Session settings; command-line paths are relative to where pytest was started, ini paths to the ini file.
 
     ``cli`` gives command-line values by destination and ``ini`` ini values by key (see :func:`getter`).
     """
-    session = (BASELINE, REGEN, OUTPUT, DEVICE, MAX_DUMP_SIZE, KEEP_DUMPS, RANK_TIMEOUT, SELF_CHECK)
+    session = (BASELINE, REGEN, OUTPUT, DEVICE, MAX_DUMP_SIZE, KEEP_DUMPS, RANK_TIMEOUT, SELF_CHECK, REPORT_ONLY)  # fmt: skip
     get = getter(cli)
     layers = _layers(session, lambda opt: get(opt.dest), {}, getter(ini))
 
@@ -483,15 +489,13 @@ def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> 
         raise ConfigError(f"the baseline folder {baseline} is a file, not a folder")
     if baseline is not None:
         check_apart(output, baseline, output_from, OUTPUT.flag)
-    keep_dumps = bool(_top(KEEP_DUMPS, layers, ini_dir))
+    keep_dumps, report_only = (bool(_top(opt, layers, ini_dir)) for opt in (KEEP_DUMPS, REPORT_ONLY))
     # resolved per test (a marker sits between them), checked here so that a bad value stops the run at once
     for opt in (MAX_DUMP_SIZE, RANK_TIMEOUT, SELF_CHECK):
         for layer in (CLI, INI):
             if opt.name in layers[layer]:
                 _read(opt, layer, layers, ini_dir)
-    return SessionSettings(
-        baseline=baseline, regen=regen, output=output, device=device, keep_dumps=keep_dumps
-    )
+    return SessionSettings(baseline, regen, output, device, keep_dumps, report_only)
 
 
 def resolve_test(
@@ -505,7 +509,7 @@ def resolve_test(
             f"(known: {', '.join(sorted(MARKER_KEYS))})"
         )
     per_test = (
-        TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, WORLD_SIZE, BACKEND, RANK_TIMEOUT, SELF_CHECK, CHECKLIST_ENV,
+        TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, WORLD_SIZE, BACKEND, RANK_TIMEOUT, SELF_CHECK, CHECKLIST_ENV, REPORT_ONLY,
     )  # fmt: skip
     per_test_trend = (*per_test, TREND_STEPS, TREND_RTOL)
     get = getter(cli)

@@ -24,6 +24,7 @@ from pytest_msprobe.compare.rank_order import collective_op
 from pytest_msprobe.compare.records import NONE, OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.compare.thresholds import is_integral as is_integral  # (for the reports)
+from pytest_msprobe.compare.thresholds import normalize_dtype as normalize_dtype  # (for the reports)
 from pytest_msprobe.compare.trend_result import GRAD_NORM as GRAD_NORM
 from pytest_msprobe.compare.trend_result import LOSS as LOSS
 from pytest_msprobe.compare.trend_result import TrendResult as TrendResult
@@ -313,13 +314,28 @@ class CompareResult:
         return tuple(flagged)
 
     def worst_rows(self, limit: int = 5) -> list[RowResult]:
-        """The first ``limit`` of :attr:`ranked_errors`, the first divergence's row first."""
+        """The first ``limit`` of :attr:`ranked_errors`, the first divergence's row first, without the rows that
+        repeat a tensor already shown (a call's output is the next call's input: the same two records), then
+        each call's rows together, in the order its first row came."""
         ranked = list(self.ranked_errors)
         fd = self.first_divergence
         if fd is not None:
             first = self.rows[fd.row_index]
             ranked = [first, *(r for r in ranked if r is not first)]
-        return ranked[:limit]
+        chosen: list[RowResult] = []
+        seen: set[tuple[Leaf | None, Leaf | None]] = set()
+        for r in ranked:
+            if len(chosen) == limit:
+                break
+            same = (_record(r.target), _record(r.baseline))
+            if None not in same and same in seen:
+                continue
+            seen.add(same)
+            chosen.append(r)
+        calls: dict[int, list[RowResult]] = {}
+        for r in chosen:
+            calls.setdefault(r.api_index, []).append(r)
+        return [r for rows in calls.values() for r in rows]
 
     def row_records(self) -> list[dict[str, Any]]:
         """One flat record per compared row (plain numbers, ``None`` where a value is not there): the table
@@ -365,6 +381,14 @@ def shape_differs(row: RowResult) -> bool:
     """Whether a row's two tensors have other shapes (never a matter of precision)."""
     t, b = row.target, row.baseline
     return is_tensor(t) and is_tensor(b) and t.shape != b.shape
+
+
+def _record(side: RowSide) -> Leaf | None:
+    """A tensor's record without what names its place (row name, role, file): what it holds; None for a
+    record that holds nothing to tell two tensors apart by (no statistics, no CRC) and for other items."""
+    if not is_tensor(side) or all(v is None for v in (*side.stats, side.md5)):
+        return None
+    return side._replace(name="", suffix="", role="", data_name=None, requires_grad=None)
 
 
 def row_metric(row: RowResult) -> str:

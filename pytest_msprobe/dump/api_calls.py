@@ -81,6 +81,7 @@ class ApiCalls(StepRecords):
     def api_call(
         self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        __tracebackhide__ = True  # pytest shows the user's call, not the recorder, when the call raises
         if self.closed:  # a thread's slot still naming a recorder that was stopped elsewhere
             return orig(*args, **kwargs)
         tls = slot

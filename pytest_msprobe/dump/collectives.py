@@ -101,6 +101,7 @@ class Collectives(StepRecords):
         self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Record a collective or point-to-point call, as this module's docstring tells."""
+        __tracebackhide__ = True  # pytest shows the user's call, not the recorder, when the call raises
         if self.closed:
             return orig(*args, **kwargs)
         tls = slot

@@ -58,6 +58,7 @@ def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
     """The wrapper of one API: straight through unless the calling thread records, else to ``Recorder.api_call``."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # pytest shows the user's call, not the wrapper, when the call raises
         recorder = slot.active
         if recorder is None:
             return orig(*args, **kwargs)
@@ -72,6 +73,7 @@ def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]
         return _P2PWrapper(orig, api)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # pytest shows the user's call, not the wrapper, when the call raises
         recorder = slot.active
         if recorder is None:
             return orig(*args, **kwargs)
@@ -104,6 +106,7 @@ class _P2PWrapper:
         self.__module__ = getattr(orig, "__module__", "torch.distributed")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # (as in the other wrappers)
         if self._send and "group_src" in kwargs and "group_dst" not in kwargs:
             kwargs["group_dst"] = kwargs.pop("group_src")
         orig = self.__wrapped__
@@ -130,6 +133,7 @@ def _make_wait_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]
     """
 
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # (as in the other wrappers)
         result = orig(self, *args, **kwargs)
         recorder = slot.active
         if recorder is not None and recorder.dist_pending:

@@ -11,7 +11,13 @@ Outcomes: a precision breach, a missing baseline or a dump problem of the test i
 limit) is a FAILED test from the call phase. A baseline that cannot be used or written leaves the test without a
 verdict: it is an ERROR, from the set-up when the baseline's JSON files are broken, from the call phase when the
 problem shows only during the compare (a truncated tensor file) or the regeneration (a read-only folder); those
-call reports are counted as errors by :func:`pytest_report_teststatus`.
+call reports are counted as errors by :func:`pytest_report_teststatus`. In report-only mode (``report_only``) a
+precision verdict (a breach, a missing baseline, an out-of-line call) is recorded and reported but does not fail
+the test; the other failures and errors above stay what they are: the test did not reach a verdict.
+
+Every checked test's entry of the session summary rides on its report (:mod:`.session` collects them and writes
+``summary.json`` and ``index.html`` at the end); the pytest-html extras link the report files relative to the
+HTML report's folder, or embed them in a self-contained report.
 
 A test marked ``world_size=N`` (N > 1) runs its body in N rank processes (:mod:`.rank_worker`, :mod:`pytest_msprobe.run.launcher`): this process, the
 launcher, starts them in place of the body (:func:`pytest_pyfunc_call`), fails the test with the first rank that
@@ -30,14 +36,15 @@ import pytest
 
 from pytest_msprobe.errors import BaselineError, MsprobeError
 from pytest_msprobe.options import (
-    BASELINE,
     MARKER_HELP,
     RANK_SPEC,
     add_pytest_options,
     resolve_session,
     resolve_test,
 )
+from pytest_msprobe.pytest.session import ENTRY, VERDICT, SessionReports
 from pytest_msprobe.replay.pristine import capture_when_torch_loads
+from pytest_msprobe.report.links import Links
 from pytest_msprobe.run.settings import SessionSettings
 
 capture_when_torch_loads()  # the plugin loads before conftest and test modules, which may patch torch
@@ -46,13 +53,15 @@ SESSION_KEY = pytest.StashKey[SessionSettings]()
 RANK_KEY = pytest.StashKey[Any]()  # in a rank process: its rank_worker.RankProcess
 RUN_KEY = pytest.StashKey[Any]()  # the item's MsprobeRun
 OUTCOME_KEY = pytest.StashKey[Any]()  # the item's runner.Outcome
-VERDICT = "msprobe_verdict"  # user property: passed, failed, missing, regenerated or error
+LINKS_KEY = pytest.StashKey[Any]()  # report.links.Links: how the pytest-html extras link the report files
 # junitxml property: the baseline a test used (a property name that is the ini key's word, not the ini key)
 BASELINE_PROPERTY = "msprobe_baseline"
 REASON = "msprobe_reason"  # user property: one line, why a test that compared nothing failed or errored
 CONTEXT = "msprobe_context"  # user property: checklist context that differs (environment, versions, switches)
 FIRST_OUT_OF_LINE = "msprobe_first_out_of_line"  # user property: the self-check's first out-of-line call
 TREND_STEP = "msprobe_trend_step"  # user property: the step where the trend first differs
+# junitxml property: the test's verdict is not enforced (a property named as the ini key, as for the baseline)
+REPORT_ONLY_PROPERTY = "msprobe_report_only"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -79,7 +88,20 @@ def pytest_configure(config: pytest.Config) -> None:
             config.pluginmanager.register(config.stash[RANK_KEY], "msprobe-rank")
     except MsprobeError as exc:
         raise pytest.UsageError(str(exc)) from None
-    config.pluginmanager.register(_Summary(config.stash[SESSION_KEY]), "msprobe-summary")
+    config.stash[LINKS_KEY] = _html_links(config)
+    holds_session = not hasattr(config, "workerinput") and RANK_KEY not in config.stash
+    config.pluginmanager.register(SessionReports(config.stash[SESSION_KEY], holds_session), "msprobe-summary")
+
+
+def _html_links(config: pytest.Config) -> Links:
+    """Links from the pytest-html report (``--html``, resolved as pytest-html resolves it) to the report files:
+    relative to its folder, so that the report and the output folder downloaded together still work; embedded
+    in a self-contained report."""
+    path = config.getoption("htmlpath", None)
+    if not path:
+        return Links()
+    report = Path.cwd() / Path(os.path.expandvars(path)).expanduser()
+    return Links(base=str(report.parent), embed=bool(config.getoption("self_contained_html", False)))
 
 
 def _refuse_external_ranks(env: Any) -> None:
@@ -240,9 +262,14 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         item.user_properties.append((TREND_STEP, trend.first_step))
     if outcome.baseline is not None:
         item.user_properties.append((BASELINE_PROPERTY, str(outcome.baseline)))
+    if run.settings.report_only:
+        item.user_properties.append((REPORT_ONLY_PROPERTY, "true"))
     if outcome.kind in (FAILED, MISSING):
         item.user_properties.append((REASON, _first_line(outcome.message.removeprefix("msprobe: "))))
-        pytest.fail(outcome.message, pytrace=False)
+        if not run.settings.report_only:
+            pytest.fail(outcome.message, pytrace=False)
+        # the test passes on the user's word; its verdict stays in the reports and this section (-rP)
+        item.add_report_section("call", "msprobe (report-only: not failing the test)", outcome.message)
     return result
 
 
@@ -273,6 +300,9 @@ def pytest_pycollect_makeitem(
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
     report = yield
+    entry = _entry(item, call, report)
+    if entry is not None:  # (a report attribute: xdist carries it to the controller)
+        setattr(report, ENTRY, entry)
     outcome = item.stash.get(OUTCOME_KEY, None) if call.when == "call" else None
     if outcome is None or outcome.result is None or not item.config.pluginmanager.hasplugin("html"):
         return report
@@ -281,10 +311,73 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     from pytest_msprobe.report.html import html_fragment
 
     extras = getattr(report, "extras", [])
-    fragment = html_fragment(outcome.result, outcome.reports, outcome.advisor)
+    report_only = item.stash[RUN_KEY].settings.report_only
+    links = item.config.stash[LINKS_KEY]
+    fragment = html_fragment(
+        outcome.result, outcome.reports, outcome.advisor, links=links, report_only=report_only
+    )
     extras.append(pytest_html.extras.html(fragment))
     report.extras = extras
     return report
+
+
+def _entry(
+    item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport
+) -> dict[str, Any] | None:
+    """The test's entry of the session summary, from the phase that decides its verdict: the call, or a set-up
+    that failed with one; None for a test that checked nothing (no msprobe run, or one that does not dump)."""
+    from pytest_msprobe.report.session import test_entry
+    from pytest_msprobe.run.runner import FAILED, MISSING
+
+    props = dict(item.user_properties)
+    run = item.stash.get(RUN_KEY, None)
+    session = item.config.stash[SESSION_KEY]
+    if call.when == "setup" and report.failed and VERDICT in props and session.active:
+        return test_entry(
+            item.nodeid, str(props[VERDICT]), reason=str(props.get(REASON, "")), message=str(report.longrepr)
+        )
+    if call.when != "call" or run is None or not run.active or run.rank_process:
+        return None
+    outcome = item.stash.get(OUTCOME_KEY, None)
+    report_only = run.settings.report_only
+    if outcome is not None:
+        return test_entry(
+            item.nodeid,
+            outcome.kind,
+            reason=str(props.get(REASON, "")),
+            baseline=str(outcome.baseline) if outcome.baseline is not None else None,
+            reports=outcome.reports,
+            message=outcome.message if outcome.kind in (FAILED, MISSING) else "",
+            report_only=report_only,
+            result=outcome.result,
+            self_check=outcome.self_check,
+        )
+    if VERDICT in props:  # a problem of the run (the dump, the baseline): it failed or errored with one line
+        verdict, reason = str(props[VERDICT]), str(props.get(REASON, ""))
+    elif report.skipped:
+        verdict, reason = "skipped", _skip_reason(report)
+    else:  # the body (or a rank) failed before anything was compared
+        verdict, reason = "not compared", _body_failure(call)
+    baseline = str(run.baseline_dir) if run.baseline_dir is not None else None
+    message = str(report.longrepr) if report.failed else ""
+    return test_entry(
+        item.nodeid, verdict, reason=reason, baseline=baseline, message=message, report_only=report_only
+    )
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) else _first_line(str(longrepr))
+
+
+def _body_failure(call: pytest.CallInfo[None]) -> str:
+    """One line: what ended the test before its compare."""
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(exc, pytest.fail.Exception):
+        return _first_line(exc.msg or "").removeprefix("msprobe: ")
+    if call.excinfo is None:
+        return "the test ended before its compare"
+    return f"the test body raised {call.excinfo.typename}: {_first_line(str(exc))}"
 
 
 def pytest_report_teststatus(report: pytest.TestReport) -> tuple[str, str, str] | None:
@@ -293,44 +386,3 @@ def pytest_report_teststatus(report: pytest.TestReport) -> tuple[str, str, str] 
     if report.when == "call" and report.failed and dict(report.user_properties).get(VERDICT) == "error":
         return "error", "E", "ERROR"
     return None
-
-
-class _Summary:
-    """Collects msprobe verdicts from test reports (on the xdist controller too) for the terminal summary."""
-
-    def __init__(self, session: SessionSettings) -> None:
-        self.session = session
-        self.lines: list[tuple[str, str, str]] = []  # (nodeid, verdict, detail)
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        props = dict(report.user_properties)
-        if VERDICT in props and (report.when == "call" or (report.when == "setup" and report.failed)):
-            first = props.get("msprobe_first_divergence")
-            if first:
-                detail = f"first divergence {first}"
-                if "msprobe_first_divergence_rank" in props:
-                    detail += f" on rank {props['msprobe_first_divergence_rank']}"
-            elif props.get(FIRST_OUT_OF_LINE):
-                detail = f"first out of line {props[FIRST_OUT_OF_LINE]}"
-            else:  # a test that compared nothing says why; a pass or a regeneration where its baseline is
-                detail = str(props.get(REASON) or props.get(BASELINE_PROPERTY, ""))
-            if props.get(CONTEXT):
-                detail += f"; differs (context): {props[CONTEXT]}"
-            if TREND_STEP in props and "trend" not in detail:
-                detail += f"; trend differs from step {props[TREND_STEP]}"
-            self.lines.append((report.nodeid, str(props[VERDICT]), str(detail)))
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not self.lines and not self.session.active:
-            return
-        tr = terminalreporter
-        tr.section("msprobe")
-        checked = [line for line in self.lines if line[1] != "inactive"]  # without a baseline: self-checked
-        if not self.session.active and not checked:
-            tr.write_line(f"no {BASELINE.flag}: msprobe tests ran their training steps without comparing")
-            return
-        for nodeid, verdict, detail in checked:
-            tr.write_line(f"{verdict.upper():<12} {nodeid}" + (f"  ({detail})" if detail else ""))
-        if self.session.regen:
-            written = sum(1 for _, verdict, _ in self.lines if verdict == "regenerated")
-            tr.write_line(f"{written} baseline(s) written to {self.session.baseline}")

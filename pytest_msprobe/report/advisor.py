@@ -28,7 +28,7 @@ from pytest_msprobe.compare.result import (
     unmatched_share,
 )
 from pytest_msprobe.report.guide import CHECKLIST_NEXT, checklist_lines, next_steps, trend_advice
-from pytest_msprobe.report.text import call_site, first_unmatched_text
+from pytest_msprobe.report.text import api_site, first_unmatched_text
 
 # APIs whose kernels commonly use parallel reductions or atomics, so two runs may differ by design
 _NONDETERMINISTIC = re.compile(
@@ -107,7 +107,7 @@ def overflow_advice(result: CompareResult, fd: Divergence) -> str:
         "task='overflow_check' (only the overflowing calls are written) over more steps, then dump that step "
         "with statistics on both sides."
     )
-    site = call_site(result.stacks.get(fd.api, ()))
+    site = api_site(result, fd.api)
     if site:
         text.append(f"Called from: {site}.")
     return " ".join(text)
@@ -247,7 +247,7 @@ def advice(result: CompareResult, fd: Divergence) -> str:
     ranks = _other_ranks(result, fd)
     if ranks:
         text.append(ranks)
-    site = call_site(result.stacks.get(api.api, ()))
+    site = api_site(result, api.api)
     if site:
         text.append(f"Called from: {site}.")
     return " ".join(text)

@@ -12,11 +12,12 @@ import base64
 import html
 import io
 import math
-from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.compare.result import ERROR, CompareResult, TrendResult, row_metric
+from pytest_msprobe.compare.result import ERROR, CompareResult, TrendResult
+from pytest_msprobe.report.links import Links
 from pytest_msprobe.report.own import own_html
+from pytest_msprobe.report.text import divergence_site, place, row_what
 
 _FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")  # one per rank, in rank order
@@ -244,10 +245,6 @@ def trend_html(trend: TrendResult | None) -> str:
     return "\n".join(parts)
 
 
-def _link(label: str, path: str) -> str:
-    return f'<a href="{html.escape(Path(path).resolve().as_uri())}">{html.escape(label)}</a>'
-
-
 def checklist_html(result: CompareResult) -> str:
     """A table of the checklist's differences (failures, then context), empty when there are none."""
     checklist = result.checklist
@@ -268,11 +265,34 @@ def checklist_html(result: CompareResult) -> str:
     return "\n".join(rows)
 
 
-def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, max_rows: int = 20) -> str:
-    """The block pytest-html shows under an msprobe test: verdict, advisor, failing rows, plot, links."""
+REPORT_LABELS = {
+    "xlsx": "compare result (xlsx)",
+    "csv": "compare result (csv)",
+    "advisor": "advisor",
+    "summary": "summary.json",
+    "own_errors": "own errors (csv)",
+    "model": "model view (html)",
+}
+
+
+def html_fragment(
+    result: CompareResult,
+    reports: dict[str, str],
+    advisor: str,
+    max_rows: int = 20,
+    links: Links | None = None,
+    report_only: bool = False,
+) -> str:
+    """The block pytest-html shows under an msprobe test: verdict, advisor, failing rows, plot, links.
+
+    ``links`` says how the report files are linked (relative to the HTML report's folder, or embedded in a
+    self-contained report); ``report_only``: the verdict does not fail the test, and the block says so.
+    """
     c = result.counts()
     parts = ['<div class="msprobe">']
     verdict = "passed" if result.passed else "FAILED"
+    if report_only and not result.passed:
+        verdict += " (report-only: not failing the test)"
     parts.append(
         f"<p><b>msprobe {html.escape(result.mode)} compare {verdict}</b>: {c['apis_error']} of {c['apis']} API "
         f"calls breach; {c['rows']} rows ({c['error']} error, {c['warning']} warning, {c['unmatched']} unmatched)</p>"
@@ -291,9 +311,12 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
     if checklist:
         parts.append(checklist)
     if fd is not None:
+        site = divergence_site(result)
+        called = f"; called from <code>{html.escape(site)}</code>" if site else ""
         parts.append(
             f'<p>First divergence: <b class="msprobe-first-divergence">{html.escape(fd.api)}</b> '
-            f"(step {fd.step}, rank {fd.rank}), row <code>{html.escape(fd.row)}</code>: {html.escape(fd.reason)}</p>"
+            f"(step {fd.step}, rank {fd.rank}), row <code>{html.escape(fd.row)}</code>{called}: "
+            f"{html.escape(fd.reason)}</p>"
         )
     trend = trend_html(result.trend)
     if trend:
@@ -307,13 +330,18 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
         parts.append(
             '<table class="msprobe-rows" border="1" cellpadding="3" style="border-collapse: collapse">'
         )
-        parts.append("<tr><th>row</th><th>metric</th><th>value</th><th>allowed</th><th>reason</th></tr>")
+        parts.append(
+            "<tr><th>step</th><th>rank</th><th>row</th><th>metric</th><th>value</th><th>allowed</th>"
+            "<th>reason</th></tr>"
+        )
         for r in failing:
             value = "n/a" if r.error is None else f"{r.error:.3g}"
             allowed = "n/a" if r.allowed is None else f"{r.allowed:.3g}"
+            api = result.apis[r.api_index]
             parts.append(
-                f"<tr><td><code>{html.escape(r.row)}</code></td><td>{html.escape(row_metric(r))}</td>"
-                f"<td>{value}</td><td>{allowed}</td><td>{html.escape(r.reason)}</td></tr>"
+                f"<tr><td>{place(api.step)}</td><td>{place(api.rank)}</td><td><code>{html.escape(r.row)}</code>"
+                f"</td><td>{html.escape(row_what(r))}</td><td>{value}</td><td>{allowed}</td>"
+                f"<td>{html.escape(r.reason)}</td></tr>"
             )
         parts.append("</table>")
     png = error_plot_png(result)
@@ -323,15 +351,8 @@ def html_fragment(result: CompareResult, reports: dict[str, str], advisor: str, 
             f'<img class="msprobe-plot" alt="error per API call" src="data:image/png;base64,{data}"/>'
         )
     if reports:
-        labels = {
-            "xlsx": "compare result (xlsx)",
-            "csv": "compare result (csv)",
-            "advisor": "advisor",
-            "summary": "summary.json",
-            "own_errors": "own errors (csv)",
-            "model": "model view (html)",
-        }
-        links = " | ".join(_link(labels.get(k, k), v) for k, v in reports.items())
-        parts.append(f"<p>Reports: {links}</p>")
+        links = links or Links()
+        anchors = " | ".join(links.anchor(REPORT_LABELS.get(k, k), v) for k, v in reports.items())
+        parts.append(f'<p class="msprobe-reports">Reports: {anchors}</p>')
     parts.append("</div>")
     return "\n".join(parts)

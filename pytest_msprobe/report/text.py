@@ -20,12 +20,15 @@ from pytest_msprobe.compare.result import (
     UNMATCHED_CAUSES,
     CompareResult,
     Divergence,
+    RowResult,
     SelfCheckResult,
     fmt_number,
     is_tensor,
+    normalize_dtype,
     row_metric,
     unmatched_share,
 )
+from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.options import BY_NAME
 from pytest_msprobe.report.own import own_line
 from pytest_msprobe.report.summary import rank_summaries
@@ -42,6 +45,40 @@ def call_site(frames: tuple[str, ...]) -> str | None:
     return None
 
 
+def api_site(result: CompareResult, api: str) -> str | None:
+    """Where the user's code made a call: its stack's first frame outside the libraries (a backward call
+    has its forward's stack: stack.json holds forward calls)."""
+    frames = result.stacks.get(api) or result.stacks.get(parse_name(api).with_direction(FORWARD))
+    return call_site(frames) if frames else None
+
+
+def divergence_site(result: CompareResult) -> str | None:
+    """The source line of the first divergence's call (None for a checklist difference, or without a stack)."""
+    fd = result.first_divergence
+    if fd is None or result.checklist_first is not None:
+        return None
+    return api_site(result, fd.api)
+
+
+def dtype_change(row: RowResult) -> str | None:
+    """``dtype float32 vs bfloat16`` where the row's two tensors have other dtypes (its difference is then the
+    cast's as much as the call's), None otherwise."""
+    t, b = row.target, row.baseline
+    if not (is_tensor(t) and is_tensor(b)) or normalize_dtype(t.dtype) == normalize_dtype(b.dtype):
+        return None
+    return f"dtype {normalize_dtype(t.dtype)} vs {normalize_dtype(b.dtype)}"
+
+
+def row_what(row: RowResult) -> str:
+    """What a row of the worst-rows tables measured: its dtype change where there is one, else its metric."""
+    return dtype_change(row) or row_metric(row)
+
+
+def place(value: int | None) -> str:
+    """A step or a rank in a table (``-`` for none)."""
+    return "-" if value is None else str(value)
+
+
 def _steps_and_ranks(result: CompareResult) -> tuple[list[int], list[int]]:
     """The steps and the ranks of the dump pairs compared."""
     steps = sorted({p.step for p in result.pairs if p.step is not None})
@@ -49,9 +86,10 @@ def _steps_and_ranks(result: CompareResult) -> tuple[list[int], list[int]]:
     return steps, ranks
 
 
-def _divergence_lines(fd: Divergence, where: str) -> list[str]:
-    """``first divergence: API (where), row ROW`` and its reason."""
-    return [f"first divergence: {fd.api} ({where}), row {fd.row}", f"  {fd.reason}"]
+def _divergence_lines(fd: Divergence, where: str, site: str | None) -> list[str]:
+    """``first divergence: API (where), row ROW``, where the user's code made the call, and its reason."""
+    called = [f"  called from: {site}"] if site else []
+    return [f"first divergence: {fd.api} ({where}), row {fd.row}", *called, f"  {fd.reason}"]
 
 
 def divergence_lines(result: CompareResult) -> list[str]:
@@ -72,7 +110,7 @@ def divergence_lines(result: CompareResult) -> list[str]:
             lines.append(f"  the first breaching call after it: {fd.api} ({_where(fd.step, fd.rank)})")
     elif fd is not None:
         where = f"step {fd.step}, rank {fd.rank}" if fd.step is not None else f"rank {fd.rank}"
-        lines = _divergence_lines(fd, where)
+        lines = _divergence_lines(fd, where, divergence_site(result))
         drifts = result.checklist.drifts if result.checklist is not None else []
         if drifts:
             named = "; ".join(d.headline(result.several_ranks).split(": ", 1)[0] for d in drifts[:3])
@@ -307,19 +345,33 @@ def failure_message(
         lines.extend(f"  {note}" for note in result.missing[:5])
         if len(result.missing) > 5:
             lines.append(f"  ... and {len(result.missing) - 5} more")
-    rows = result.worst_rows()
-    if rows:
-        width = max(len(r.row) for r in rows)
-        lines.append("worst rows:")
-        lines.append(f"  {'row':<{width}}  {'metric':<16} {'value':>9}  {'allowed':>9}")
-        for r in rows:
-            lines.append(
-                f"  {r.row:<{width}}  {row_metric(r):<16} {fmt_number(r.error):>9}  {fmt_number(r.allowed):>9}"
-            )
+    lines.extend(worst_rows_lines(result))
     lines.append(f"baseline: {baseline}")
     lines.extend(_reports_lines(reports))
     lines.append(f"if the new numbers are right, regenerate the baseline: {regen_command}")
     return "\n".join(lines)
+
+
+def worst_rows_lines(result: CompareResult) -> list[str]:
+    """The worst rows as a table: step, rank, row, what was measured, value, allowed (each call's rows
+    together, the first divergence's first, a tensor shown once: :meth:`CompareResult.worst_rows`)."""
+    rows = result.worst_rows()
+    if not rows:
+        return []
+    width = max(len(r.row) for r in rows)
+    what = [row_what(r) for r in rows]
+    what_width = max(16, *(len(w) for w in what))
+    lines = [
+        "worst rows:",
+        f"  {'step':>4} {'rank':>4}  {'row':<{width}}  {'metric':<{what_width}} {'value':>9}  {'allowed':>9}",
+    ]
+    for r, w in zip(rows, what):
+        api = result.apis[r.api_index]
+        lines.append(
+            f"  {place(api.step):>4} {place(api.rank):>4}  {r.row:<{width}}  {w:<{what_width}} "
+            f"{fmt_number(r.error):>9}  {fmt_number(r.allowed):>9}"
+        )
+    return lines
 
 
 OVERFLOW_PLACE_TEXT = {

@@ -104,6 +104,13 @@ def is_dump_root(path: Path) -> bool:
         return False
 
 
+def dump_root_above(path: Path) -> Path | None:
+    """The nearest folder at or above ``path`` (links followed) that is a dump root, a baseline's or a dump's;
+    None when there is none: what is written there must not be written into a baseline."""
+    real = Path(os.path.realpath(path))
+    return next((folder for folder in (real, *real.parents) if is_dump_root(folder)), None)
+
+
 def read_manifest(path: Path) -> dict[str, Any] | None:
     """The manifest of a baseline folder, or None when it has none (a plain msprobe dump)."""
     file = path / MANIFEST_NAME

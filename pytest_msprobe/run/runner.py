@@ -423,7 +423,7 @@ class MsprobeRun:
             raise BaselineError(f"unusable dump: {exc}") from None
         if result.passed:
             self._drop_dump()
-            return Outcome(PASSED)
+            return Outcome(PASSED, self_check=result)
         return Outcome(FAILED, self_check_message(result), self_check=result)
 
     def _check_every_step(self) -> None:

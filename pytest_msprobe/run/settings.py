@@ -37,6 +37,7 @@ class SessionSettings:
     output: Path
     device: str
     keep_dumps: bool = False  # keep the dumps of passing tests and regenerated baselines
+    report_only: bool = False  # the command line's or the ini's report-only mode (a marker may differ)
 
     @property
     def active(self) -> bool:
@@ -60,6 +61,7 @@ class TestSettings:
     checklist_env: tuple[str, ...] = ()  # environment variables the checklist records beyond its own list
     trend_steps: int | None = None  # record and compare the loss and gradient norms of steps 0..N-1
     trend_rtol: float | None = None  # the trend's relative tolerance; None: by the training dtype
+    report_only: bool = False  # a precision verdict is recorded and reported, never a failure of the test
 
 
 def check_flag(value: Any, where: str) -> bool:

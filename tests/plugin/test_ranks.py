@@ -169,6 +169,12 @@ def test_two_gloo_ranks_regen_pass_and_a_fault_on_rank_one_names_rank_one(
         "Functional.relu.1.forward",
         "1",
     )
+    # the session summary: one test (the rank processes write none), its first divergence on rank 1
+    (entry,) = json.loads((pytester.path / "msprobe-output" / "summary.json").read_text())["tests"]
+    assert (entry["nodeid"], entry["verdict"]) == ("test_ddp.py::test_ddp", "failed")
+    first = entry["first_divergence"]
+    assert (first["api"], first["step"], first["rank"]) == ("Functional.relu.1.forward", 0, 1)
+    assert first["source"].startswith(f"File {pytester.path / 'test_ddp.py'}, line ")
     kept = pytester.path / "msprobe-output" / "test_ddp" / "test_ddp"
     # rank 0 breaches too (its all_reduce of the logits on clean local inputs, and the gradients DDP reduced):
     # rank 1's contribution carried the error there, and the first divergence is still rank 1's relu
