@@ -34,10 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pytest_msprobe.compare.records import Dump, read_stack
+from pytest_msprobe.compare.records import Dump, read_helper_json, read_stack
 from pytest_msprobe.compare.result import OPTIMIZER_MODULE, OUTSIDE_MODULES, UNKNOWN_MODULE
-from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.layout import CONSTRUCT_JSON
 from pytest_msprobe.format.names import (
     BACKWARD,
@@ -83,12 +81,7 @@ def place_calls(dump: Dump) -> ModulePlaces:
 def read_construct(path: Path) -> dict[str, Any]:
     """construct.json's node -> parent mapping; {} where the file is absent or unusable (the view of the model
     is a help: a compare does not fail for it)."""
-    if not path.is_file():
-        return {}
-    try:
-        doc = read_json(path)
-    except DumpFormatError:
-        return {}
+    doc = read_helper_json(path)
     return doc if isinstance(doc, dict) else {}
 
 

@@ -362,17 +362,23 @@ def read_stack(dump_json: Path) -> dict[str, list[str]]:
     return read_stack_file(dump_json.parent / STACK_JSON)
 
 
+def read_helper_json(path: Path) -> Any:
+    """A JSON file that only helps a compare (stack.json, construct.json): its document, None where it is absent
+    or unusable (a compare does not fail for it)."""
+    if not path.is_file():
+        return None
+    try:
+        return read_json(path)
+    except DumpFormatError:
+        return None
+
+
 def read_stack_file(path: Path) -> dict[str, list[str]]:
     """API name -> call stack frames of a stack.json ({} if absent or unreadable).
 
     Both layouts are read: ``{"0": [[names...], [frames...]]}`` (8.x, 26.x) and ``{name: [frames]}`` (older).
     """
-    if not path.is_file():
-        return {}
-    try:
-        doc = read_json(path)
-    except DumpFormatError:
-        return {}
+    doc = read_helper_json(path)
     stacks: dict[str, list[str]] = {}
     if not isinstance(doc, dict):
         return stacks

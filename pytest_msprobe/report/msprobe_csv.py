@@ -42,7 +42,7 @@ from pytest_msprobe.compare.result import (
     is_tensor,
 )
 from pytest_msprobe.report.table import (
-    BASE_COLUMNS,
+    MSPROBE_COLUMNS,
     NA,
     NAN_WORD,
     consistent_cell,
@@ -56,57 +56,12 @@ from pytest_msprobe.report.table import (
     tensor_cells,
 )
 
-_STATS = (
-    "NPU max",
-    "NPU min",
-    "NPU mean",
-    "NPU l2norm",
-    "Bench max",
-    "Bench min",
-    "Bench mean",
-    "Bench l2norm",
-)
+# msprobe 26.x's columns: 8.3.3's (the xlsx's), its verdict column named Result in every mode, and md5's
+# with an Err_message too
 CSV_COLUMNS = {
-    "statistics": (
-        *BASE_COLUMNS,
-        "Max diff",
-        "Min diff",
-        "Mean diff",
-        "L2norm diff",
-        "MaxRelativeErr",
-        "MinRelativeErr",
-        "MeanRelativeErr",
-        "NormRelativeErr",
-        *_STATS,
-        "Requires_grad Consistent",
-        "Result",
-        "Err_message",
-        "NPU_Stack_Info",
-    ),
-    "tensor": (
-        *BASE_COLUMNS,
-        "Cosine",
-        "EucDist",
-        "MaxAbsErr",
-        "MaxRelativeErr",
-        "One Thousandth Err Ratio",
-        "Five Thousandths Err Ratio",
-        *_STATS,
-        "Requires_grad Consistent",
-        "Result",
-        "Err_message",
-        "NPU_Stack_Info",
-        "Data_name",
-    ),
-    "md5": (
-        *BASE_COLUMNS,
-        "NPU MD5",
-        "BENCH MD5",
-        "Requires_grad Consistent",
-        "Result",
-        "Err_message",
-        "NPU_Stack_Info",
-    ),
+    "statistics": MSPROBE_COLUMNS["statistics"],
+    "tensor": tuple("Result" if c == "Accuracy Reached or Not" else c for c in MSPROBE_COLUMNS["tensor"]),
+    "md5": (*MSPROBE_COLUMNS["md5"][:-1], "Err_message", MSPROBE_COLUMNS["md5"][-1]),
 }
 """msprobe 26.2.0's header for each mode (its CSVs in tests/data/msprobe/msprobe-26.2.0/compare)."""
 
