@@ -113,3 +113,14 @@ def test_the_public_names() -> None:
     from pytest_msprobe.compare import compare as compare_function
 
     assert compare is compare_function
+
+
+def test_test_modules_have_basenames_of_their_own() -> None:
+    """pytest imports test modules by basename (the test folders are no packages): two test files of one name
+    in two folders make the second an import error at collection."""
+    tests = Path(__file__).resolve().parent
+    names: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        if "data" not in path.relative_to(tests).parts:
+            names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert not {name: where for name, where in names.items() if len(where) > 1}
