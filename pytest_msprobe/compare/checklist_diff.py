@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,10 +228,14 @@ def hyperparameter_differences(
 
 # ----------------------------------------------------------------------------------------------- the compare
 def compare_checklists(
-    pairs: Sequence[tuple[Path, Path, int | None, int | None]], thresholds: Thresholds
+    pairs: Sequence[tuple[Path, Path, int | None, int | None]],
+    thresholds: Thresholds,
+    breached: Collection[tuple[int | None, int | None]] = (),
 ) -> ChecklistResult:
     """The checklist differences of the dump pairs ``(target dump.json, baseline dump.json, step, rank)``.
 
+    ``breached``: the (step, rank) pairs whose calls breach; a buffer that differs as the next step starts is
+    what those calls did (a batch norm's running statistics), already reported through them, not a drift.
     A pair whose sides do not both have a checklist is not compared, and says why in ``unchecked`` (a plain
     msprobe dump has none); a checklist that is there but broken raises DumpFormatError naming it.
     """
@@ -283,7 +287,10 @@ def compare_checklists(
             found.extend(changed_outside(differ, dumps[(step - 1, rank)], t_doc, b_doc))
         else:
             found.extend(tensor_differences(PARAMETER, "parameters", t_doc, b_doc, step, rank, thresholds))
-        if t_doc.get("taken") == b_doc.get("taken"):  # (a forward's buffer updates in one only otherwise)
+        # buffers a forward updates in one side's checklist only are not compared; nor those after a step whose
+        # calls breach (they are what those calls did)
+        after_breach = previous_compared and step is not None and (step - 1, rank) in breached
+        if t_doc.get("taken") == b_doc.get("taken") and not after_breach:
             found.extend(tensor_differences(BUFFER, "buffers", t_doc, b_doc, step, rank, thresholds))
         for d in found:
             if (d.kind, rank, d.name) not in seen_values:

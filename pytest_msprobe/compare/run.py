@@ -126,7 +126,9 @@ def compare(
     explain_noise_carry(builder)
     rows, apis, feeds, peers = builder.finish()
     checklist = compare_checklists(
-        [(t_loc.path, b_loc.path, t_loc.step, t_loc.rank) for t_loc, b_loc in pairs], thresholds
+        [(t_loc.path, b_loc.path, t_loc.step, t_loc.rank) for t_loc, b_loc in pairs],
+        thresholds,
+        breached={(api.step, api.rank) for api in apis if api.status == ERROR},
     )
     overflow = compare_overflow(apis, rows)
     if overflow is not None:
