@@ -263,7 +263,7 @@ def write_costs(step_folder: Path, scratch: Path, repeats: int) -> dict[str, Any
     after it (not timed). Medians of ``repeats``.
     """
     tensors = [
-        torch.load(p, weights_only=True)
+        torch.load(p, map_location="cpu", weights_only=True)
         for p in sorted(step_folder.rglob("*"))
         if p.parent.name == "dump_tensor_data"
     ]
