@@ -4,11 +4,13 @@
 #   1. env         the python, torch, the GPU (nvidia-smi, torch.cuda)
 #   2. cuda-tests  the tests that are skipped without CUDA (pytest -k cuda over the files that check for it)
 #   3. regen       the ResNet50 example's baseline written on the GPU: examples/resnet50/baselines/cuda
-#   4. compare     a CUDA run of the example compared with the CPU baseline shipped with it and with the new
-#                  CUDA baseline, with the default thresholds and with TF32 on (torch.backends.cuda.matmul and
-#                  cudnn allow_tf32): how many calls breach, and where the first divergence is put
+#   4. compare     a CUDA run of the example compared with the CPU baseline shipped with it, with the default
+#                  thresholds and with TF32 on (torch.backends.cuda.matmul and cudnn allow_tf32): how many
+#                  calls breach, and where the first divergence is put
 #   5. bench       dump overhead on CUDA (bench/dump_overhead.py --device cuda) and the host synchronisations
 #                  per dumped step (--count-syncs: CUDA's GPU trace, see SyncCounter in the bench)
+#   6. compare     (again) a second CUDA run against the new CUDA baseline, without and with TF32: the device
+#                  against itself, last as the least needed when time runs short
 #
 # Everything goes under one folder ($OUT when set, else ./device-check-out, or --out DIR), with summary.md
 # (the figures) and one log per stage. Each stage has its own time limit and the whole run stays under 8
@@ -27,7 +29,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run | --cpu) DRY=1 ;;
         --out) OUTDIR="$2"; shift ;;
-        -h | --help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h | --help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "device_check.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
     esac
     shift
@@ -40,7 +42,8 @@ STAGES="$OUTDIR/stages.tsv"  # stage, status, seconds: read back into summary.md
 START=$(date +%s)
 BUDGET=${DEVICE_CHECK_BUDGET_S:-470}  # the whole run, seconds
 
-say() { echo "[device-check $(($(date +%s) - START))s] $*" | tee -a "$OUTDIR/device-check.log"; }
+# to stderr (and the log): find_python's stdout is the path it found
+say() { echo "[device-check $(($(date +%s) - START))s] $*" | tee -a "$OUTDIR/device-check.log" >&2; }
 
 # run_stage NAME LIMIT_S COMMAND...: runs with a time limit (never past the whole run's budget), logs to NAME.log
 run_stage() {
@@ -137,13 +140,13 @@ if torch.cuda.is_available():
 # -- 2. the tests skipped without CUDA -------------------------------------------------------------------------
 # (they check torch.cuda.is_available(): tests/test_device.py, tests/dump/test_devices.py,
 # tests/dump/test_distributed.py; -k cuda selects their CUDA cases)
-run_stage cuda-tests 150 "${PYTEST[@]}" -rs -q -k cuda --junitxml="$OUTDIR/cuda-tests.xml" \
+run_stage cuda-tests 120 "${PYTEST[@]}" -rs -q -k cuda --junitxml="$OUTDIR/cuda-tests.xml" \
     tests/test_device.py tests/dump/test_devices.py tests/dump/test_distributed.py
 
 # -- 3. the ResNet50 example's baseline, written on the device -------------------------------------------------
 EXAMPLE=(examples/resnet50 -q -rs --msprobe-device="$DEVICE")
 rm -rf "$BASELINE_OUT"
-run_stage regen 120 "${PYTEST[@]}" "${EXAMPLE[@]}" --msprobe-baseline="$BASELINE_OUT" --msprobe-regen-baseline \
+run_stage regen 90 "${PYTEST[@]}" "${EXAMPLE[@]}" --msprobe-baseline="$BASELINE_OUT" --msprobe-regen-baseline \
     --msprobe-output="$OUTDIR/regen-output" --junitxml="$OUTDIR/regen.xml"
 if [ -d "$BASELINE_OUT" ]; then  # a copy comes back with the outputs, to be committed
     mkdir -p "$OUTDIR/baselines" && cp -r "$BASELINE_OUT" "$OUTDIR/baselines/" 2> /dev/null
@@ -171,25 +174,28 @@ compare() {  # compare NAME BASELINE [extra pytest args]
         return 0
     fi
     # exit 1 is the verdict (a breach), not a failure of the stage: the summary reads it from the junit xml
-    run_stage "$name" 90 "${PYTEST[@]}" "${EXAMPLE[@]}" --msprobe-baseline="$baseline" \
+    run_stage "$name" 60 "${PYTEST[@]}" "${EXAMPLE[@]}" --msprobe-baseline="$baseline" \
         --msprobe-output="$OUTDIR/$name-output" --junitxml="$OUTDIR/$name.xml" "$@"
 }
 CPU_BASELINE="$REPO/examples/resnet50/baselines/cpu"
 compare vs-cpu-baseline "$CPU_BASELINE"
 compare vs-cpu-baseline-tf32 "$CPU_BASELINE" -p tf32_on
-compare vs-own-baseline "$BASELINE_OUT"
-compare vs-own-baseline-tf32 "$BASELINE_OUT" -p tf32_on
 
 # -- 5. dump overhead and host synchronisations on the device --------------------------------------------------
+# (each loop in a process of its own; the synchronisations counted in a second, untimed loop of that process)
 if [ "$DRY" = 1 ]; then
     BENCH_SIZE=(--quick --models tiny)
 else
     BENCH_SIZE=(--models tiny large resnet50)
 fi
-run_stage bench 170 "$PY" bench/dump_overhead.py --device "$DEVICE" "${BENCH_SIZE[@]}" --no-msprobe \
-    --configs statistics_L1 md5_L1 tensor_L1 --count-syncs --json "$OUTDIR/bench.json"
-run_stage bench-mix 60 "$PY" bench/dump_overhead.py --device "$DEVICE" --quick --models large --no-msprobe \
+run_stage bench 150 "$PY" bench/dump_overhead.py --device "$DEVICE" "${BENCH_SIZE[@]}" --no-msprobe \
+    --configs statistics_L1 md5_L1 tensor_L1 --count-syncs --write-repeats 1 --json "$OUTDIR/bench.json"
+run_stage bench-mix 45 "$PY" bench/dump_overhead.py --device "$DEVICE" --quick --models large --no-msprobe \
     --configs statistics_mix --count-syncs --json "$OUTDIR/bench-mix.json"
+
+# -- 6. the device against itself: the new baseline, a second run, with and without TF32 -----------------------
+compare vs-own-baseline "$BASELINE_OUT"
+compare vs-own-baseline-tf32 "$BASELINE_OUT" -p tf32_on
 
 # -- the summary -------------------------------------------------------------------------------------------------
 "$PY" - "$OUTDIR" "$DEVICE" "$(($(date +%s) - START))" << 'EOF' > "$SUMMARY" 2> "$OUTDIR/summary-errors.log"

@@ -444,14 +444,16 @@ def _caller() -> str:
     return "(the loop itself)"
 
 
-def run_syncs(job: dict[str, Any]) -> dict[str, Any]:
-    """The loop once more, untimed, with the synchronisations counted (no synchronize() of the bench's own)."""
+def run_syncs(job: dict[str, Any], dump: str = "dump") -> dict[str, Any]:
+    """The loop once more, untimed, with the synchronisations counted (no synchronize() of the bench's own);
+    ours runs it in the timed loop's process, after it (the counting slows every CUDA call down), msprobe in a
+    process of its own (one PrecisionDebugger a process)."""
     shape = Shape(**job["shape"])
     config = CONFIGS[job["config"]]
     loop = make_loop(model_specs()[job["model"]], shape.steps, torch.device(job["device"]))
     counter = SyncCounter()
     counter.install()
-    debugger = make_debugger(job["engine"], config, shape.window, Path(job["workdir"]) / "dump")
+    debugger = make_debugger(job["engine"], config, shape.window, Path(job["workdir"]) / dump)
     trend = None
     if config.trend:
         from pytest_msprobe.dump.trend import TrendRecorder
@@ -482,6 +484,8 @@ def child_main(job: dict[str, Any]) -> int:
         torch.set_num_threads(job["threads"])
     run = {"time": run_timed, "alternating": run_alternating, "syncs": run_syncs}[job["measure"]]
     out = run(job)
+    if job["measure"] == "time" and job.get("count_syncs"):
+        out.update(run_syncs(job, "dump-syncs"))
     print(RESULT + json.dumps(out), flush=True)
     return 0
 
@@ -554,7 +558,8 @@ def measure(args: argparse.Namespace, shape: Shape, workdir: Path) -> list[dict[
             "shape": shape.__dict__,
             "device": args.device,
             "threads": args.threads,
-            "repeats": 1 if args.quick else 3,
+            "repeats": args.write_repeats if args.write_repeats else 1 if args.quick else 3,
+            "count_syncs": args.count_syncs and engine == "ours",
             "workdir": str(workdir / f"{n:03d}-{engine}-{model}-{config}"),
         }
 
@@ -569,7 +574,7 @@ def measure(args: argparse.Namespace, shape: Shape, workdir: Path) -> list[dict[
                     for _ in range(args.repeat)
                 ]
                 row[engine] = _median_run(runs)
-                if args.count_syncs:
+                if args.count_syncs and engine != "ours":
                     row[engine].update(run_child(job(engine, model, config, "syncs"), args.child_timeout))
             if args.alternating and CONFIGS[config].task is not None:
                 row["ours"].update(run_child(job("ours", model, config, "alternating"), args.child_timeout))
@@ -884,6 +889,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--alternating", action="store_true", help="add the one-thread alternating figure")
     parser.add_argument("--count-syncs", action="store_true", help="count host synchronisations (CUDA)")
+    parser.add_argument(
+        "--write-repeats", type=int, default=None, help="tensor writes timed per loop (default 3, --quick 1)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--workdir", type=Path, default=None, help="where dumps go (default: a temp dir)")
     parser.add_argument("--child-timeout", type=float, default=1800.0, help="seconds per measurement")
