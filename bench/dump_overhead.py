@@ -389,8 +389,9 @@ class SyncCounter:
     ``.cpu()``, ``.tolist()``, a non-pinned ``.to("cpu")``), ``cudaDeviceSynchronize`` and
     ``cudaEventSynchronize``, on the thread that waits. ``torch.cuda.set_sync_debug_mode("warn")`` is counted
     beside it as a cross-check: it flags the copies and stream synchronisations but not
-    ``torch.cuda.synchronize()``. Each hit is charged to the step the training thread is in, and to the thread
-    (the training thread, or a background one: the dump's writer) and the Python line that made it.
+    ``torch.cuda.synchronize()``. Each hit is charged to the step the training thread is in, to the thread (the
+    training thread with torch's own threads, as autograd's device thread that runs the backward: the loop waits
+    for them; or a background thread of the dump: its writer, the CRC pool) and to the Python line that made it.
     """
 
     def __init__(self) -> None:
@@ -424,7 +425,10 @@ class SyncCounter:
         self.available = True
 
     def _hit(self, counter: Counter[tuple[int, str]], kind: str | None) -> None:
-        thread = "training" if threading.get_ident() == self.training else "background"
+        # torch's own threads (autograd's device threads run the backward and its hooks) hold up the training
+        # thread, which waits for them; the Python threads started by the dump (its writer, the CRC pool) do not
+        native = isinstance(threading.current_thread(), threading._DummyThread)
+        thread = "training" if native or threading.get_ident() == self.training else "background"
         counter[(self.step, thread)] += 1
         if kind is not None:
             self.where[f"{thread} {kind}: {_caller()}"] += 1
