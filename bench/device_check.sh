@@ -250,6 +250,8 @@ baseline = out / "baselines"
 print(f"- baseline regenerated: {regen[0][1] if regen else 'no result'}; written: "
       f"{', '.join(sorted(str(p.relative_to(baseline)) for p in baseline.glob('*/examples/*/*/*'))) or 'nothing'}")
 print()
+print("torch's defaults leave matmuls in float32 and let cuDNN convolutions use TF32 (see env above);")
+print("\"TF32 on\" turns it on for matmuls too.\n")
 print("| run | baseline | verdict | calls breaching / compared | first divergence |")
 print("|---|---|---|---|---|")
 for name, what in (
