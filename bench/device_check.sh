@@ -40,14 +40,16 @@ SUMMARY="$OUTDIR/summary.md"
 STAGES="$OUTDIR/stages.tsv"  # stage, status, seconds: read back into summary.md
 : > "$STAGES"
 START=$(date +%s)
-BUDGET=${DEVICE_CHECK_BUDGET_S:-470}  # the whole run, seconds
+# the limits are sized for a GPU machine; a dry run on a small CPU gets more time (DEVICE_CHECK_LIMIT_SCALE)
+SCALE=${DEVICE_CHECK_LIMIT_SCALE:-$((DRY == 1 ? 4 : 1))}
+BUDGET=${DEVICE_CHECK_BUDGET_S:-$((470 * SCALE))}  # the whole run, seconds
 
 # to stderr (and the log): find_python's stdout is the path it found
 say() { echo "[device-check $(($(date +%s) - START))s] $*" | tee -a "$OUTDIR/device-check.log" >&2; }
 
 # run_stage NAME LIMIT_S COMMAND...: runs with a time limit (never past the whole run's budget), logs to NAME.log
 run_stage() {
-    local name="$1" limit="$2"
+    local name="$1" limit=$(($2 * SCALE))
     shift 2
     local left=$((BUDGET - ($(date +%s) - START)))
     if [ "$left" -lt 20 ]; then
