@@ -59,13 +59,20 @@ def _line_of(code: CodeType, offset: int) -> int:
     return starts[1][index] if index >= 0 else code.co_firstlineno
 
 
+# formatted frames and stacks, kept from step to step (a training loop's stacks repeat): a stack's key holds ids,
+# so the code objects are part of the cache's key, which keeps them alive while cached; emptied past a bound
+_FRAMES: dict[tuple[CodeType, int], str] = {}
+_STACKS: dict[tuple[StackKey, StackCodes], tuple[str, ...]] = {}
+_BOUND = 50_000
+
+
 class StackTable:
     """Collects (record name, stack) pairs for one step and renders stack.json."""
 
     def __init__(self) -> None:
         self._codes: dict[StackKey, StackCodes] = {}
         self._entries: list[tuple[str, StackKey]] = []
-        self._lines: dict[tuple[CodeType, int], str] = {}
+        self._lines = _FRAMES
 
     def add(self, name: str, stack: Stack) -> None:
         key, codes = stack
@@ -79,16 +86,24 @@ class StackTable:
             path, lineno, func = code.co_filename, _line_of(code, offset), code.co_name
             source = linecache.getline(path, lineno).strip()
             line = f"File {path}, line {lineno}, in {func}, \n {source}" if source else ""
+            if len(self._lines) >= _BOUND:
+                self._lines.clear()
             self._lines[(code, offset)] = line
         return line
 
     def render(self) -> dict[str, list[list[str]]]:
         """stack.json's content: ``{"0": [[names...], [lines...]], ...}``, stacks in first-seen order."""
         lines_of: dict[StackKey, tuple[str, ...]] = {}
+        stacks = _STACKS
+        if len(stacks) >= _BOUND:
+            stacks.clear()
         for key, codes in self._codes.items():
-            # frames without source (built-in, generated code) are left out, as msprobe does
-            formatted = (self._format(c, o) for c, o in zip(codes, key[1::2]))
-            lines_of[key] = tuple(text for text in formatted if text)
+            lines = stacks.get((key, codes))
+            if lines is None:
+                # frames without source (built-in, generated code) are left out, as msprobe does
+                formatted = (self._format(c, o) for c, o in zip(codes, key[1::2]))
+                lines = stacks[(key, codes)] = tuple(text for text in formatted if text)
+            lines_of[key] = lines
         # calls made from different instructions of the same lines share one stack, as in msprobe's file
         merged: dict[tuple[str, ...], list[str]] = {}
         for name, key in self._entries:

@@ -39,10 +39,8 @@ from pytest_msprobe.dump.ops import clone as _clone
 from pytest_msprobe.dump.ops import contiguous as _contiguous
 from pytest_msprobe.dump.ops import detach as _detach
 from pytest_msprobe.dump.ops import div as _div
-from pytest_msprobe.dump.ops import narrow as _narrow
 from pytest_msprobe.dump.ops import reshape as _reshape
 from pytest_msprobe.dump.ops import stack as _stack
-from pytest_msprobe.dump.ops import unbind as _unbind
 from pytest_msprobe.dump.ops import view as _view_dtype
 from pytest_msprobe.dump.ops import zeros as _zeros
 from pytest_msprobe.dump.reductions import (
@@ -105,46 +103,62 @@ class _Group:
         n = len(cols[0])
         if not n:
             return
-        self._resolve_deferred()
-        # one stack and one transfer per dtype among the columns (usually all four share it)
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        # (column, rows, 1-d values): the rows reduced as they were seen, then those reduced here together
+        pieces: list[tuple[int, list[int], torch.Tensor]] = []
         for index, col in enumerate(cols):
-            by_dtype.setdefault(col[0].dtype, []).append(index)
-        host: list[list[Any]] = [[] for _ in cols]
-        sums: torch.Tensor | None = None
-        for indices in by_dtype.values():
-            stacked = _stack([t for i in indices for t in cols[i]])
-            values = stacked.tolist()
-            for k, i in enumerate(indices):
-                host[i] = values[k * n : (k + 1) * n]
-                if i == 2:
-                    sums = _narrow(stacked, 0, k * n, n)
+            rows = [r for r, value in enumerate(col) if value is not None]
+            if rows:
+                values = col if len(rows) == n else [col[r] for r in rows]
+                pieces.append((index, rows, _stack(values)))
+        pieces.extend(self._resolve_deferred())
+        # one concatenation and one transfer per dtype among the columns
+        by_dtype: dict[torch.dtype, list[tuple[int, list[int], torch.Tensor]]] = {}
+        for piece in pieces:
+            by_dtype.setdefault(piece[2].dtype, []).append(piece)
+        host: list[list[Any]] = [[None] * n for _ in cols]
+        wide_sums = True
+        for dtype, members in by_dtype.items():
+            flat = _cat([_reshape(values, (-1,)) for _, _, values in members]).tolist()
+            at = 0
+            for index, rows, _ in members:
+                column = host[index]
+                for row, value in zip(rows, flat[at : at + len(rows)]):
+                    column[row] = value
+                at += len(rows)
+                if index == 2 and dtype is not torch.float64:
+                    wide_sums = False
         self.host = host
-        if sums is not None and self.kind in (_G_NUMERIC, _G_COMPLEX):
-            counts = _as_tensor(self.counts, dtype=sums.dtype, device=sums.device)
-            # torch.mean is sum / numel in the sum's dtype: the same division, for the whole group at once
-            self.means = _div(sums, counts).tolist()
+        if self.kind in (_G_NUMERIC, _G_COMPLEX):
+            sums = host[2]
+            if wide_sums:
+                # torch.mean is sum / numel in the sum's dtype: for float64 sums, Python's division is the same
+                self.means = [s / c for s, c in zip(sums, self.counts)]
+            else:
+                dtype = next(v.dtype for i, _, v in pieces if i == 2)
+                counts = _as_tensor(self.counts, dtype=dtype)
+                self.means = _div(_as_tensor(sums, dtype=dtype), counts).tolist()
 
-    def _resolve_deferred(self) -> None:
+    def _resolve_deferred(self) -> list[tuple[int, list[int], torch.Tensor]]:
         """Statistics of the small tensors copied at capture: tensors of one shape are reduced together, row by
         row (the same reduction, bitwise, as one tensor at a time), so a step's many tiny tensors cost a few
-        operators instead of four each."""
-        cols = self.cols
+        operators instead of four each. Returns (column, rows, values) pieces."""
         by_shape: dict[tuple[Any, int], list[tuple[int, torch.Tensor]]] = {}
         for row, copy, kind in self.deferred:
             by_shape.setdefault((copy.shape, kind), []).append((row, copy))
         self.deferred = []
+        pieces: list[tuple[int, list[int], torch.Tensor]] = []
         for (_, kind), members in by_shape.items():
+            rows = [row for row, _ in members]
             if len(members) == 1 or kind not in (K_F32, K_F64, K_LOW):
                 for row, copy in members:
-                    for col, value in zip(cols, numeric(copy, kind)):
-                        col[row] = value
+                    for index, value in enumerate(numeric(copy, kind)):
+                        if value is not None:
+                            pieces.append((index, [row], _reshape(value, (1,))))
                 continue
-            rows = _reshape(_stack([copy for _, copy in members]), (len(members), -1))
-            results = numeric_rows(rows, kind)
-            for col, values in zip(cols, results):
-                for (row, _), value in zip(members, _unbind(values)):
-                    col[row] = value
+            stacked = _reshape(_stack([copy for _, copy in members]), (len(members), -1))
+            for index, values in enumerate(numeric_rows(stacked, kind)):
+                pieces.append((index, rows, values))
+        return pieces
 
 
 _Ref = tuple[_Group, int] | None

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,33 @@ def atomic_path(path: PathLike) -> Iterator[str]:
         raise
 
 
+_EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+
+
 def write_text(path: PathLike, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically; OSError as the system gives it."""
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    """Write ``text`` (UTF-8) to ``path`` atomically; OSError as the system gives it.
+
+    The temporary file is named after the process and thread (no random name to draw, no chmod: the umask
+    applies as it is created); a name already taken, left by a process killed mid-write, falls back to a
+    random one.
+    """
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".tmp-{name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        fd = os.open(tmp, _EXCLUSIVE, 0o666)
+    except FileExistsError:
+        with atomic_path(path) as other, open(other, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
+    try:
+        with open(fd, "wb") as fh:
+            fh.write(text.encode("utf-8"))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_json(path: PathLike, error: ErrorFactory = DumpFormatError) -> Any:
