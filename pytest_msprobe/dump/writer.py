@@ -34,6 +34,7 @@ from pytest_msprobe.format.layout import (
     step_folder,
 )
 from pytest_msprobe.format.own_errors import CallOwn, own_errors_path, write_own_errors
+from pytest_msprobe.format.torchsave import save_tensor
 
 
 def rank_dir_name() -> str:
@@ -198,8 +199,6 @@ class TensorWriter:
         return True
 
     def _save_pending(self) -> None:
-        import torch
-
         if not self._pending:
             return
         if not self._staged:
@@ -220,7 +219,7 @@ class TensorWriter:
                 # torch.save calls back into Python from C and can lose the exception a signal handler raises
                 # there (a Ctrl-C would vanish): signals wait until the file is saved
                 with deferred_signals():
-                    torch.save(tensor, self.staging / name)
+                    save_tensor(tensor, self.staging / name)
             except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
                 # the staged files are not published: drop them all, a failed dump must not keep filling the disk
                 self.discard()

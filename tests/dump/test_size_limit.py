@@ -149,27 +149,49 @@ def test_statistics_dumps_are_not_limited_and_bad_limits_are_refused(tmp_path: P
         PrecisionDebugger(dump_path=tmp_path, task="tensor", max_dump_size="10 parsecs")
 
 
+@pytest.mark.parametrize("route", ["own writer", "torch.save"])
 def test_a_failed_tensor_write_leaves_no_half_written_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str
 ) -> None:
-    real_save = torch.save
+    """The disk fills up at the third file, in the plugin's own tensor writer (an OSError) or in torch.save (a
+    RuntimeError), which takes the tensors the own writer does not cover (a transposed one, here)."""
+    import errno
+    import os
+
+    from pytest_msprobe.format import torchsave
+
     calls = {"n": 0}
+    if route == "torch.save":
+        real_save = torch.save
 
-    def save_until_the_disk_is_full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            Path(f).write_bytes(b"PK\x03\x04 half")
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-        real_save(obj, f, *args, **kwargs)
+        def save_until_the_disk_is_full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                Path(f).write_bytes(b"PK\x03\x04 half")
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
+        monkeypatch.setattr(torch, "save", save_until_the_disk_is_full)
+        tensor = torch.ones(3, 2).t()
+        expected = r"T\.2\.pt: cannot write \(torch\.save failed: .* bytes free on that disk\)"
+    else:
+        real_writev = os.writev
+
+        def writev_until_the_disk_is_full(fd: int, buffers: Any) -> int:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                os.write(fd, b"PK\x03\x04 half")
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_writev(fd, buffers)
+
+        monkeypatch.setattr(torchsave.os, "writev", writev_until_the_disk_is_full)
+        tensor = torch.ones(3)
+        expected = r"T\.2\.pt: cannot write \(No space left on device\)"
     folder = tmp_path / "dump_tensor_data"
     w = writer.TensorWriter(folder)
     for i in range(5):
-        assert w.submit(f"T.{i}.pt", torch.ones(3))
-    with pytest.raises(
-        DumpError, match=r"T\.2\.pt: cannot write \(torch\.save failed: .* bytes free on that disk\)"
-    ):
+        assert w.submit(f"T.{i}.pt", tensor)
+    with pytest.raises(DumpError, match=expected):
         w.join()
     assert list(tmp_path.iterdir()) == [], "staged files are dropped, never published"
 
