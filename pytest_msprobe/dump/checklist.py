@@ -23,7 +23,6 @@ import platform
 import sys
 import threading
 import warnings
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from pytest_msprobe.dump import determinism
 from pytest_msprobe.dump.threads import quiet
 from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, TAKEN_AT_START, encode_number
+from pytest_msprobe.format.crc import crc32_hex
 
 # the environment variables that change the numbers of a run (documented in the README); a user adds more with
 # the ini key msprobe_checklist_env
@@ -172,7 +172,7 @@ def _fingerprints(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[s
         if host.is_neg():
             host = host.resolve_neg()
         raw = host.reshape(-1).view(torch.uint8) if host.numel() else torch.empty(0, dtype=torch.uint8)
-        doc["crc32"] = f"{zlib.crc32(raw.numpy().data) & 0xFFFFFFFF:08x}"
+        doc["crc32"] = crc32_hex(raw.numpy())
         n = host.numel()
         if not n or host.is_complex():
             continue

@@ -25,7 +25,6 @@ one node flows into the next.
 from __future__ import annotations
 
 import weakref
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -56,6 +55,7 @@ from pytest_msprobe.dump.reductions import (
     numeric,
     numeric_rows,
 )
+from pytest_msprobe.format.crc import crc32_hex as _crc_hex
 
 _weakref = weakref.ref
 _Tensor = torch.Tensor
@@ -172,9 +172,9 @@ def crc32_hex(t: torch.Tensor) -> str:
     if data.is_neg():
         data = data.resolve_neg()
     if data.numel() == 0:
-        return f"{zlib.crc32(b''):08x}"
+        return _crc_hex(b"")
     raw = _view_dtype(_reshape(data, (-1,)), torch.uint8)
-    return f"{zlib.crc32(raw.numpy()):08x}"
+    return _crc_hex(raw.numpy())
 
 
 def _crc_of_copy(copy: torch.Tensor) -> str:

@@ -16,7 +16,6 @@ group, so the same group has the same id on every rank), a reduce operation as `
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.stats import StatEngine, dtype_name
+from pytest_msprobe.format.crc import crc32_hex
 from pytest_msprobe.format.layout import TENSOR_SUFFIX
 
 try:
@@ -201,7 +201,7 @@ def group_ranks(group: Any) -> list[int] | None:
 
 def group_id(ranks: list[int]) -> str:
     """msprobe's id of a process group: the CRC32 of its rank list written as Python does, ``"[0, 1]"``."""
-    return f"{zlib.crc32(str(ranks).encode('utf-8')):08x}"
+    return crc32_hex(str(ranks).encode("utf-8"))
 
 
 def analyze_process_group(group: Any) -> dict[str, Any]:

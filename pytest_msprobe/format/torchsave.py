@@ -13,7 +13,7 @@ reads, ``weights_only`` included::
     <stem>/version                  "3\\n"
     <stem>/.data/serialization_id   a unique decimal id
 
-Each record's CRC-32 is real (``zlib.crc32``, which lets the GIL go on large buffers). The header, the records
+Each record's CRC-32 is real (:mod:`.crc`). The header, the records
 and the central directory are laid out in memory and written with the tensor's bytes in one ``os.writev`` (the
 tensor is not copied). Tensors this writer does not cover (a dtype without a legacy storage class, a view into a
 larger storage, more than 2 GiB) go through ``torch.save`` itself: :func:`save_tensor` always writes a file
@@ -29,10 +29,11 @@ import os
 import pickle
 import struct
 import sys
-import zlib
 from typing import Any
 
 import torch
+
+from pytest_msprobe.format.crc import crc32
 
 _ALIGN = 64
 _LIMIT = 2**31  # above it, zip64 records would be needed: torch.save writes those
@@ -134,7 +135,7 @@ def save_tensor(t: torch.Tensor, path: str | os.PathLike[str]) -> None:
     for name, body in records:
         full = f"{stem}/{name}".encode()
         size = len(body)
-        crc = zlib.crc32(body) & 0xFFFFFFFF
+        crc = crc32(body) & 0xFFFFFFFF
         # pad the extra field so that the record's bytes start on a multiple of 64, as torch.save lays them out
         start = offset + _LOCAL.size + len(full) + 4
         pad = -start % _ALIGN
