@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.dump.signals import deferred_signals
+from pytest_msprobe.dump.torchsave import save_tensor
 from pytest_msprobe.errors import DumpError, PathLike
 from pytest_msprobe.format.checklist import CHECKLIST_JSON, write_checklist
 from pytest_msprobe.format.files import write_text
@@ -34,7 +35,6 @@ from pytest_msprobe.format.layout import (
     step_folder,
 )
 from pytest_msprobe.format.own_errors import CallOwn, own_errors_path, write_own_errors
-from pytest_msprobe.format.torchsave import save_tensor
 
 
 def rank_dir_name() -> str:

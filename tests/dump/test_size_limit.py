@@ -158,7 +158,7 @@ def test_a_failed_tensor_write_leaves_no_half_written_file(
     import errno
     import os
 
-    from pytest_msprobe.format import torchsave
+    from pytest_msprobe.dump import torchsave
 
     calls = {"n": 0}
     if route == "torch.save":

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_msprobe.format.torchsave import covered, save_tensor
+from pytest_msprobe.dump.torchsave import covered, save_tensor
 
 _CASES = {
     "float32 2-d": torch.randn(3, 4),

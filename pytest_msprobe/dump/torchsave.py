@@ -13,7 +13,7 @@ reads, ``weights_only`` included::
     <stem>/version                  "3\\n"
     <stem>/.data/serialization_id   a unique decimal id
 
-Each record's CRC-32 is real (:mod:`.crc`). The header, the records
+Each record's CRC-32 is real (:mod:`pytest_msprobe.format.crc`). The header, the records
 and the central directory are laid out in memory and written with the tensor's bytes in one ``os.writev`` (the
 tensor is not copied). Tensors this writer does not cover (a dtype without a legacy storage class, a view into a
 larger storage, more than 2 GiB) go through ``torch.save`` itself: :func:`save_tensor` always writes a file
@@ -71,7 +71,7 @@ class _Rebuild:
     """Pickles as torch's ``_rebuild_tensor_v2(...)`` call of a plain tensor."""
 
     def __init__(self, size: tuple[int, ...], stride: tuple[int, ...]) -> None:
-        self.args = (_STORAGE, 0, size, stride, False, collections.OrderedDict())
+        self.args: tuple[Any, ...] = (_STORAGE, 0, size, stride, False, collections.OrderedDict())
 
     def __reduce__(self) -> tuple[Any, ...]:
         return torch._utils._rebuild_tensor_v2, self.args
@@ -97,7 +97,7 @@ def _pickle(t: torch.Tensor) -> bytes:
 
 def covered(t: torch.Tensor) -> bool:
     """Whether :func:`save_tensor` writes ``t`` itself (else through ``torch.save``)."""
-    return (
+    return bool(
         type(t) is torch.Tensor
         and t.device.type == "cpu"
         and t.layout is torch.strided
@@ -119,7 +119,8 @@ def save_tensor(t: torch.Tensor, path: str | os.PathLike[str]) -> None:
         return
     path = os.fspath(path)
     stem = os.path.splitext(os.path.basename(path))[0] or "archive"
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    raw: Any = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    data = memoryview(raw)
     records: list[tuple[str, Any]] = [
         ("data.pkl", _pickle(t)),
         (".format_version", b"1"),
