@@ -59,10 +59,12 @@ def _line_of(code: CodeType, offset: int) -> int:
     return starts[1][index] if index >= 0 else code.co_firstlineno
 
 
-# formatted frames and stacks, kept from step to step (a training loop's stacks repeat): a stack's key holds ids,
-# so the code objects are part of the cache's key, which keeps them alive while cached; emptied past a bound
-_FRAMES: dict[tuple[CodeType, int], str] = {}
-_STACKS: dict[tuple[StackKey, StackCodes], tuple[str, ...]] = {}
+# formatted frames and stacks, kept from step to step (a training loop's stacks repeat). Keyed by the ids of the
+# code objects, never by the objects: code objects of two files compare equal when their code is the same (the
+# file name is not compared). Each entry keeps its code objects alive, so an id in a key stays theirs while the
+# entry is there; emptied past a bound
+_FRAMES: dict[tuple[int, int], tuple[CodeType, str]] = {}
+_STACKS: dict[StackKey, tuple[StackCodes, tuple[str, ...]]] = {}
 _BOUND = 50_000
 
 
@@ -72,7 +74,6 @@ class StackTable:
     def __init__(self) -> None:
         self._codes: dict[StackKey, StackCodes] = {}
         self._entries: list[tuple[str, StackKey]] = []
-        self._lines = _FRAMES
 
     def add(self, name: str, stack: Stack) -> None:
         key, codes = stack
@@ -80,15 +81,17 @@ class StackTable:
             self._codes[key] = codes
         self._entries.append((name, key))
 
-    def _format(self, code: CodeType, offset: int) -> str:
-        line = self._lines.get((code, offset))
-        if line is None:
-            path, lineno, func = code.co_filename, _line_of(code, offset), code.co_name
-            source = linecache.getline(path, lineno).strip()
-            line = f"File {path}, line {lineno}, in {func}, \n {source}" if source else ""
-            if len(self._lines) >= _BOUND:
-                self._lines.clear()
-            self._lines[(code, offset)] = line
+    @staticmethod
+    def _format(code: CodeType, offset: int) -> str:
+        found = _FRAMES.get((id(code), offset))
+        if found is not None and found[0] is code:
+            return found[1]
+        path, lineno, func = code.co_filename, _line_of(code, offset), code.co_name
+        source = linecache.getline(path, lineno).strip()
+        line = f"File {path}, line {lineno}, in {func}, \n {source}" if source else ""
+        if len(_FRAMES) >= _BOUND:
+            _FRAMES.clear()
+        _FRAMES[(id(code), offset)] = (code, line)
         return line
 
     def render(self) -> dict[str, list[list[str]]]:
@@ -98,11 +101,14 @@ class StackTable:
         if len(stacks) >= _BOUND:
             stacks.clear()
         for key, codes in self._codes.items():
-            lines = stacks.get((key, codes))
-            if lines is None:
+            found = stacks.get(key)
+            if found is not None and all(a is b for a, b in zip(found[0], codes)):
+                lines = found[1]
+            else:
                 # frames without source (built-in, generated code) are left out, as msprobe does
                 formatted = (self._format(c, o) for c, o in zip(codes, key[1::2]))
-                lines = stacks[(key, codes)] = tuple(text for text in formatted if text)
+                lines = tuple(text for text in formatted if text)
+                stacks[key] = (codes, lines)
             lines_of[key] = lines
         # calls made from different instructions of the same lines share one stack, as in msprobe's file
         merged: dict[tuple[str, ...], list[str]] = {}
