@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,6 +130,8 @@ class PrecisionDebugger:
         self._engine: StatEngine | None = None
         self._writer: TensorWriter | None = None
         self._files = BackgroundJobs(on_thread_start=threads.silence_this_thread)
+        self._capture_s = 0.0  # how long the current step's captures have lasted (start() to stop())
+        self._capture_began = 0.0
         limit = self.config.max_dump_size
         self._budget = SizeBudget(limit) if limit is not None else None
         self._size_reported = False
@@ -169,12 +172,14 @@ class PrecisionDebugger:
                 self._drop_step()  # what an interruption left of this step: it starts afresh
             if self._recorder is None:
                 self._new_step_recorder()
+                self._capture_s = 0.0
             elif config.save_tensors and self._writer is None:
                 self._resume_writer()
             recorder = self._recorder
             assert recorder is not None
             # first: from here on, stop() and abort() undo whatever of the rest was done
             self._started = True
+            self._capture_began = time.perf_counter()
             self._owner = ident
             _STARTED[ident] = self
             recorder.owner = ident
@@ -200,6 +205,7 @@ class PrecisionDebugger:
         """Stop capturing, remove every wrapper and hook, and write the step's files (rewritten if resumed)."""
         if not self._started:
             return
+        self._capture_s += time.perf_counter() - self._capture_began
         recorder = self._recorder
         with deferred_signals():
             self._detach()
@@ -383,6 +389,10 @@ class PrecisionDebugger:
         step = self.current_step
 
         def write_files() -> None:
+            with torch.no_grad():
+                _write_files()
+
+        def _write_files() -> None:
             engine.flush()
             if writer is not None:
                 writer.publish()  # the tensor folder appears before the dump.json that names its files
@@ -400,7 +410,7 @@ class PrecisionDebugger:
         with deferred_signals():
             # together: once the thread has the step, its staged files are the thread's to publish (a resumed
             # capture of the step stages its new files with a new writer)
-            self._files.submit(write_files)
+            self._files.submit(write_files, inline=self._files.wants_inline(self._capture_s))
             self._writer = None
 
     def _overflowing(

@@ -100,3 +100,34 @@ def test_tensor_files_appear_together_when_published(tmp_path: Path) -> None:
     w.join()
     assert sorted(p.name for p in folder.iterdir()) == ["a.pt", "b.pt", "c.pt"]
     assert [p.name for p in folder.parent.iterdir()] == ["dump_tensor_data"]
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_job_s_failure_is_reported_by_the_next_wait_on_the_thread_or_inline(inline: bool) -> None:
+    import threading
+
+    jobs = writer.BackgroundJobs()
+    ran: list[int] = []
+
+    def fails() -> None:
+        ran.append(threading.get_ident())
+        raise OSError(28, "No space left on device")
+
+    jobs.submit(fails, inline=inline)  # never raises itself: the step's stop() has handed its files over
+    jobs.join()
+    assert (ran[0] == threading.get_ident()) is inline
+    with pytest.raises(DumpError, match=r"writing the dump failed: .*No space left on device"):
+        jobs.wait()
+    jobs.wait()  # reported once
+    assert jobs.last_cpu is not None and jobs.last_cpu >= 0
+
+
+def test_a_job_runs_inline_when_its_cpu_time_is_large_beside_the_capture() -> None:
+    jobs = writer.BackgroundJobs()
+    assert not jobs.wants_inline(0.010), "the first job, with nothing measured yet, goes to the thread"
+    jobs.submit(lambda: sum(range(200_000)))
+    jobs.wait()
+    cpu = jobs.last_cpu
+    assert cpu is not None and cpu > 0
+    assert jobs.wants_inline(cpu * 2)  # the job costs half the capture: inline
+    assert not jobs.wants_inline(cpu * 10)  # a tenth: on the thread, beside the next step
