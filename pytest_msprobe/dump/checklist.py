@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from pytest_msprobe.dump import determinism
+from pytest_msprobe.dump.stats import crc32_hex as tensor_crc32
 from pytest_msprobe.dump.threads import quiet
 from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, TAKEN_AT_START, encode_number
-from pytest_msprobe.format.crc import crc32_hex
 
 # the environment variables that change the numbers of a run (documented in the README); a user adds more with
 # the ini key msprobe_checklist_env
@@ -166,13 +166,8 @@ def _fingerprints(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[s
         if t.is_quantized or t.is_sparse or t.layout != torch.strided:
             doc["crc32"] = None
             continue
-        host = t.to("cpu").contiguous() if t.device.type != "cpu" else t.contiguous()
-        if host.is_conj():
-            host = host.resolve_conj()
-        if host.is_neg():
-            host = host.resolve_neg()
-        raw = host.reshape(-1).view(torch.uint8) if host.numel() else torch.empty(0, dtype=torch.uint8)
-        doc["crc32"] = crc32_hex(raw.numpy())
+        host = t.to("cpu") if t.device.type != "cpu" else t
+        doc["crc32"] = tensor_crc32(host)
         n = host.numel()
         if not n or host.is_complex():
             continue

@@ -390,21 +390,18 @@ class PrecisionDebugger:
 
         def write_files() -> None:
             with torch.no_grad():
-                _write_files()
-
-        def _write_files() -> None:
-            engine.flush()
-            if writer is not None:
-                writer.publish()  # the tensor folder appears before the dump.json that names its files
-            construct = recorder.construct if config.modules else {}
-            check = recorder.self_check
-            own = (check.own_errors(recorder.data), check.device) if check is not None else None
-            data, stacks = recorder.data, recorder.stacks.render()
-            if config.overflow_check:
-                data, stacks = self._overflowing(step, data, stacks)
-            if checklist is not None:
-                write_checklist_file(folder, checklist)
-            write_step_files(folder, header, data, stacks, construct, own)
+                engine.flush()
+                if writer is not None:
+                    writer.publish()  # the tensor folder appears before the dump.json that names its files
+                construct = recorder.construct if config.modules else {}
+                check = recorder.self_check
+                own = (check.own_errors(recorder.data), check.device) if check is not None else None
+                data, stacks = recorder.data, recorder.stacks.render()
+                if config.overflow_check:
+                    data, stacks = self._overflowing(step, data, stacks)
+                if checklist is not None:
+                    write_checklist_file(folder, checklist)
+                write_step_files(folder, header, data, stacks, construct, own)
 
         self._files.wait()  # one step at a time; an earlier step's failure is reported before this one goes
         with deferred_signals():

@@ -84,7 +84,7 @@ class StackTable:
     @staticmethod
     def _format(code: CodeType, offset: int) -> str:
         found = _FRAMES.get((id(code), offset))
-        if found is not None and found[0] is code:
+        if found is not None:
             return found[1]
         path, lineno, func = code.co_filename, _line_of(code, offset), code.co_name
         source = linecache.getline(path, lineno).strip()
@@ -102,7 +102,7 @@ class StackTable:
             stacks.clear()
         for key, codes in self._codes.items():
             found = stacks.get(key)
-            if found is not None and all(a is b for a, b in zip(found[0], codes)):
+            if found is not None:
                 lines = found[1]
             else:
                 # frames without source (built-in, generated code) are left out, as msprobe does

@@ -24,6 +24,7 @@ one node flows into the next.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -116,8 +117,7 @@ class _Group:
         for piece in pieces:
             by_dtype.setdefault(piece[2].dtype, []).append(piece)
         host: list[list[Any]] = [[None] * n for _ in cols]
-        wide_sums = True
-        for dtype, members in by_dtype.items():
+        for members in by_dtype.values():
             flat = _cat([_reshape(values, (-1,)) for _, _, values in members]).tolist()
             at = 0
             for index, rows, _ in members:
@@ -125,16 +125,14 @@ class _Group:
                 for row, value in zip(rows, flat[at : at + len(rows)]):
                     column[row] = value
                 at += len(rows)
-                if index == 2 and dtype is not torch.float64:
-                    wide_sums = False
         self.host = host
         if self.kind in (_G_NUMERIC, _G_COMPLEX):
+            # torch.mean is sum / numel in the sum's dtype (the sums' dtypes promoted, as stacking them does)
             sums = host[2]
-            if wide_sums:
-                # torch.mean is sum / numel in the sum's dtype: for float64 sums, Python's division is the same
+            dtype = functools.reduce(torch.promote_types, {v.dtype for i, _, v in pieces if i == 2})
+            if dtype is torch.float64:  # Python's division is float64's
                 self.means = [s / c for s, c in zip(sums, self.counts)]
             else:
-                dtype = next(v.dtype for i, _, v in pieces if i == 2)
                 counts = _as_tensor(self.counts, dtype=dtype)
                 self.means = _div(_as_tensor(sums, dtype=dtype), counts).tolist()
 

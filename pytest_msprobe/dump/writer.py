@@ -316,13 +316,7 @@ class BackgroundJobs:
     def submit(self, job: Any, inline: bool = False) -> None:
         self.wait()  # one at a time, in order: a later step's files never overtake an earlier one's
         if inline:
-            began = time.thread_time()
-            try:
-                job()
-            except BaseException as exc:  # kept for wait(), as the thread keeps it
-                self._error = exc
-            finally:
-                self.last_cpu = time.thread_time() - began
+            self._execute(job)
             return
         done = threading.Event()
         thread = threading.Thread(target=self._run, args=(job, done), name="pytest-msprobe-writer")
@@ -331,16 +325,22 @@ class BackgroundJobs:
         self._thread, self._done = thread, done
 
     def _run(self, job: Any, done: threading.Event) -> None:
+        try:
+            self._execute(self._on_thread_start, job)
+        finally:
+            done.set()
+
+    def _execute(self, *calls: Callable[[], Any] | None) -> None:
+        """Run ``calls`` in order, keeping an error for :meth:`wait` and the CPU time in :attr:`last_cpu`."""
         began = time.thread_time()
         try:
-            if self._on_thread_start is not None:
-                self._on_thread_start()
-            job()
+            for call in calls:
+                if call is not None:
+                    call()
         except BaseException as exc:  # kept for wait(): a failed write must not go unnoticed
             self._error = exc
         finally:
             self.last_cpu = time.thread_time() - began
-            done.set()
 
     @property
     def busy(self) -> bool:
