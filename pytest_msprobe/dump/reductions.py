@@ -7,7 +7,7 @@ accumulate in float64 on the CPU and on CUDA. A norm adds squares, which never c
 accumulation drifts with the number of terms (torch's CPU norm of 1M float32 elements was 4e-4 off, of 64M
 elements 5e-2). On the CPU a float32 (or narrower) tensor is converted to float64 up to ``_WIDE_CHUNK`` elements
 at a time, summed, and dotted with itself (BLAS): a float32 square is exact in float64, so the norm is
-float64's; a larger tensor goes through one 8 MiB buffer per thread, a chunk at a time. A float64
+float64's; a larger tensor goes through one 2 MiB buffer per thread, a chunk at a time. A float64
 tensor is summed a chunk at a time and its norm taken over blocks of ``_BLOCK`` elements, then over the blocks'
 results, and so on (no square can overflow on the way). CUDA takes both in float64 outright. Devices that may
 lack float64 (NPU, MPS) take sums by blocks too.
@@ -80,7 +80,7 @@ KINDS: dict[torch.dtype, int] = {}  # kind_of, by dtype, filled as dtypes are se
 SMALL = 4096
 _ONE_PASS = 1 << 19
 _CHUNK = 1 << 16
-_WIDE_CHUNK = 1 << 20  # float32 elements converted to float64 at a time (1 MiB: in each core's cache)
+_WIDE_CHUNK = 1 << 18  # float32 elements converted to float64 at a time (2 MiB)
 _BLOCK = 2048
 _WIDE_SUMS = frozenset({"cpu", "cuda"})  # devices whose sums accumulate in float64
 
