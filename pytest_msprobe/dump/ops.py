@@ -24,10 +24,7 @@ as_tensor = _VF.as_tensor
 cat = _VF.cat
 clone = _VF.clone
 div = _VF.div
-dot = _VF.dot
-empty = _VF.empty
 narrow = _VF.narrow
-sqrt = _VF.sqrt
 stack = _VF.stack
 sum = _VF.sum
 unbind = _VF.unbind
@@ -36,7 +33,6 @@ vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]
 
 # Tensor methods, called as functions of the tensor
 contiguous = _TB.contiguous
-copy_ = _TB.copy_
 detach = _TB.detach
 reshape = _TB.reshape
 split = _TB.split
