@@ -3,7 +3,8 @@
     python bench/dump_overhead.py                                # every model and configuration
     python bench/dump_overhead.py --quick                        # a smoke run: 6 steps, steps 2-3 dumped
     python bench/dump_overhead.py --models tiny large --configs statistics_L1 tensor_L1 --json out.json
-    python bench/dump_overhead.py --profile statistics_L1 tiny   # where a dumped step's time goes
+    python bench/dump_overhead.py --profile statistics_L1 tiny   # where a dumped step's time goes (cProfile)
+    python bench/dump_overhead.py --breakdown statistics_L1 large   # the same, measured inside the loop
     python bench/dump_overhead.py --device cuda --count-syncs    # on a GPU: host synchronisations per step
 
 **The loop.** Each (tool, model, configuration) runs in a process of its own (msprobe's PrecisionDebugger is a
@@ -40,7 +41,10 @@ reference dumps) and width 32 (32x3x32x32), and torchvision's ``resnet50(weights
 the aten ops) over the dumped steps only, and prints the top functions of the training thread by cumulative and
 by own time and those of the dump's background threads (the writer, the CRC pool). ``--count-syncs`` (CUDA) runs
 each loop once more, untimed, counting host synchronisations per step and thread (see :class:`SyncCounter`).
-``--calls`` times one API wrapper instead, in nanoseconds per call.
+``--calls`` times one API wrapper instead, in nanoseconds per call. ``--breakdown CONFIG MODEL`` runs our loop
+in this process with timers (no profiler) around the dump's parts and prints, for the median dumped step, what
+start(), the step's body beyond an undumped step (the statistics' reductions by tensor size, the rest) and
+stop() cost, and the CPU time of the step's files on the writer thread (:func:`breakdown`).
 """
 
 from __future__ import annotations
@@ -814,6 +818,186 @@ def _profiler(kind: str, device: torch.device, top: int) -> Iterator[Callable[[b
 
 
 # ------------------------------------------------------------------------------------------------ per call
+# ---------------------------------------------------------------------------------------------- breakdown
+# tensor sizes (elements) the statistics' time is split by: reduced together at flush up to SMALL, then larger
+_SIZE_BUCKETS = ((4096, "<= 4K (copied, reduced at flush)"), (1 << 16, "4K-64K"), (1 << 20, "64K-1M"))
+_SIZE_TOP = "> 1M"
+
+
+def _size_bucket(numel: int) -> str:
+    for bound, name in _SIZE_BUCKETS:
+        if numel <= bound:
+            return name
+    return _SIZE_TOP
+
+
+class _Parts:
+    """Wall time of a dump's parts on the training thread, and how many calls of each, by step."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.ms: dict[int, dict[str, float]] = {}
+        self.counts: dict[int, Counter[str]] = {}
+
+    def add(self, part: str, seconds: float, count: int = 1) -> None:
+        by_part = self.ms.setdefault(self.step, {})
+        by_part[part] = by_part.get(part, 0.0) + seconds * 1e3
+        self.counts.setdefault(self.step, Counter())[part] += count
+
+    def timed(
+        self, owner: Any, name: str, part: str, key: Callable[..., str] | None = None
+    ) -> Callable[[], None]:
+        """Time every call of ``owner.name`` as ``part`` (``key(*args)`` names a sub-part); returns the undo."""
+        original = getattr(owner, name)
+        parts = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                parts.add(part if key is None else f"{part}: {key(*args)}", time.perf_counter() - start)
+
+        setattr(owner, name, timed)
+        return lambda: setattr(owner, name, original)
+
+
+def breakdown(args: argparse.Namespace, shape: Shape, workdir: Path) -> dict[str, Any]:
+    """Where our dumped steps' time goes, measured inside the loop, without a profiler: start() (the wrappers put
+    in, the checklist's fingerprints), the step's body beyond an undumped step (of which the statistics'
+    reductions, by tensor size, and the rest: Python per recorded call, stacks, backward hooks), stop() and
+    step() (the wrappers taken out, the step's files when written inline), and the CPU time of the writer's jobs
+    that ran on its thread beside the next steps. Timers around the dump's own functions add ~1 us a tensor."""
+    from pytest_msprobe.dump import checklist, debugger, intercept, writer
+    from pytest_msprobe.dump.api_calls import ApiCalls
+    from pytest_msprobe.dump.stats import StatEngine
+
+    config_name, model = args.breakdown
+    if config_name not in CONFIGS or CONFIGS[config_name].task is None or model not in model_specs():
+        raise SystemExit(
+            f"--breakdown {config_name} {model}: expected a dumping configuration of "
+            f"{', '.join(c for c, v in CONFIGS.items() if v.task)} and a model of {', '.join(model_specs())}"
+        )
+    config = CONFIGS[config_name]
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    parts = _Parts()
+    jobs: list[tuple[int, bool, float]] = []  # (step, inline, CPU seconds) of each writer job
+    submitted: list[int] = []  # the step of each job handed over, in order (jobs run one at a time, in order)
+    original_submit, original_execute = writer.BackgroundJobs.submit, writer.BackgroundJobs._execute
+
+    def submit(self: Any, job: Any, inline: bool = False) -> None:
+        submitted.append(parts.step)
+        original_submit(self, job, inline)
+
+    def execute(self: Any, *job: Any) -> None:
+        inline = threading.current_thread() is threading.main_thread()
+        original_execute(self, *job)
+        jobs.append((submitted[len(jobs)], inline, self.last_cpu or 0.0))
+
+    undo = [
+        parts.timed(debugger.PrecisionDebugger, "start", "start()"),
+        parts.timed(debugger.PrecisionDebugger, "stop", "stop()"),
+        parts.timed(intercept.ApiPatcher, "install", "wrappers in"),
+        parts.timed(intercept.ApiPatcher, "uninstall", "wrappers out"),
+        parts.timed(checklist.StepChecklist, "start", "checklist fingerprints"),
+        parts.timed(StatEngine, "_compute", "statistics", key=lambda _, t, *rest: _size_bucket(t.numel())),
+        parts.timed(StatEngine, "item", "tensor items"),
+        parts.timed(ApiCalls, "api_call", "recorded calls"),
+    ]
+    writer.BackgroundJobs.submit = submit  # type: ignore[method-assign]
+    writer.BackgroundJobs._execute = execute  # type: ignore[method-assign]
+    undo.append(lambda: setattr(writer.BackgroundJobs, "submit", original_submit))
+    undo.append(lambda: setattr(writer.BackgroundJobs, "_execute", original_execute))
+    try:
+        loop = make_loop(model_specs()[model], shape.steps, device)
+        dbg = make_debugger("ours", config, shape.window, workdir / "dump")
+        sync = device.type == "cuda"
+        times = []
+        for step in range(shape.steps):
+            parts.step = step
+            start = time.perf_counter()
+            train_step(loop, step, dbg, None, sync)
+            times.append(time.perf_counter() - start)
+        parts.step = shape.steps
+        finish("ours", dbg)
+    finally:
+        for restore in reversed(undo):
+            restore()
+    return _breakdown_table(model, config_name, shape, times, parts, jobs)
+
+
+def _breakdown_table(
+    model: str,
+    config_name: str,
+    shape: Shape,
+    times: list[float],
+    parts: _Parts,
+    jobs: list[tuple[int, bool, float]],
+) -> dict[str, Any]:
+    window = shape.window
+    plain = statistics.median(times[s] for s in shape.undumped) * 1e3
+    dumped = statistics.median(times[s] for s in window) * 1e3
+
+    def ms(part: str) -> float:
+        return statistics.median(parts.ms.get(s, {}).get(part, 0.0) for s in window)
+
+    def count(part: str) -> float:
+        return statistics.median(parts.counts.get(s, Counter())[part] for s in window)
+
+    sizes = [name for _, name in _SIZE_BUCKETS] + [_SIZE_TOP]
+    stats_parts = {name: (ms(f"statistics: {name}"), count(f"statistics: {name}")) for name in sizes}
+    stats_ms = sum(v for v, _ in stats_parts.values())
+    inline = [cpu for step, on_caller, cpu in jobs if on_caller and step in window]
+    threaded = [cpu for step, on_caller, cpu in jobs if not on_caller and step in window]
+    start_ms, stop_ms = ms("start()"), ms("stop()")
+    body_ms = dumped - start_ms - stop_ms
+    rows: list[tuple[str, float | None, str]] = [
+        ("undumped step", plain, ""),
+        ("dumped step", dumped, f"{dumped / plain:.2f}x"),
+        ("start()", start_ms, ""),
+        ("  the wrappers put in", ms("wrappers in"), ""),
+        ("  the checklist's fingerprints", ms("checklist fingerprints"), ""),
+        ("the step's body (forward, backward, optimizer)", body_ms, f"{body_ms - plain:+.1f} ms on undumped"),
+        ("  recorded calls", None, f"{count('recorded calls'):.0f} a step"),
+        ("  tensor items", None, f"{count('tensor items'):.0f} a step"),
+        ("  statistics' reductions", stats_ms, f"{sum(c for _, c in stats_parts.values()):.0f} tensors"),
+    ]
+    for name, (value, n) in stats_parts.items():
+        rows.append((f"    {name}", value, f"{n:.0f} tensors"))
+    rows.append(("  the rest (Python per call, stacks, backward hooks)", body_ms - plain - stats_ms, ""))
+    rows.append(("stop()", stop_ms, ""))
+    rows.append(("  the wrappers taken out", ms("wrappers out"), ""))
+    if inline:
+        note = f"CPU ({len(inline)} of {len(window)} steps)"
+        rows.append(("  the step's files, written by stop()", statistics.median(inline) * 1e3, note))
+    if threaded:
+        note = f"CPU, beside the next step ({len(threaded)} of {len(window)} steps)"
+        rows.append(("the step's files on the writer thread", statistics.median(threaded) * 1e3, note))
+    rows.append(("undumped step + statistics alone", plain + stats_ms, f"{(plain + stats_ms) / plain:.2f}x"))
+    lines = [
+        f"{model_specs()[model].name}, {config_name}: medians of the dumped steps {window[0]}-{window[-1]}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)",
+        "",
+        "| part | ms a step | |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {'' if value is None else f'{value:.1f}'} | {note} |" for name, value, note in rows
+    ]
+    print("\n".join(lines))
+    return {
+        "model": model,
+        "config": config_name,
+        "plain_ms": plain,
+        "dumped_ms": dumped,
+        "parts": {name.strip(): {"ms": value, "note": note} for name, value, note in rows},
+        "statistics": {name: {"ms": v, "tensors": n} for name, (v, n) in stats_parts.items()},
+        "writer_jobs": [{"step": s, "inline": i, "cpu_ms": c * 1e3} for s, i, c in jobs],
+    }
+
+
 def _best_ns_per_call(fn: Callable[[], Any], calls: int, rounds: int) -> float:
     best = float("inf")
     for _ in range(rounds):
@@ -909,6 +1093,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiler", choices=["cprofile", "torch"], default="cprofile")
     parser.add_argument("--top", type=int, default=25, help="rows of each profile table")
     parser.add_argument("--calls", action="store_true", help="time one API wrapper per call instead")
+    parser.add_argument(
+        "--breakdown", nargs=2, metavar=("CONFIG", "MODEL"), help="where our dumped steps' time goes"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -939,6 +1126,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.profile:
             profile(args, shape, workdir)
+            return 0
+        if args.breakdown:
+            found = breakdown(args, shape, workdir)
+            if args.json:
+                args.json.write_text(json.dumps({"torch": torch.__version__, "breakdown": found}, indent=1))
             return 0
         msprobe = None if args.no_msprobe else msprobe_version()
         print(

@@ -59,6 +59,45 @@ def test_dump_overhead_quick_run_reports_each_loop(tmp_path: Path) -> None:
     assert "| model | tool | plain ms | dumped ms |" in run.stdout  # the tensor table
 
 
+def test_breakdown_accounts_for_the_dumped_step(tmp_path: Path) -> None:
+    out = tmp_path / "breakdown.json"
+    argv = ["--quick", "--threads", "1", "--breakdown", "statistics_L1", "tiny", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "dump_overhead.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(out.read_text())["breakdown"]
+    parts = found["parts"]
+    assert found["dumped_ms"] > found["plain_ms"] > 0
+    # start(), the body and stop() are the dumped step, whole
+    body = parts["the step's body (forward, backward, optimizer)"]["ms"]
+    assert parts["start()"]["ms"] + body + parts["stop()"]["ms"] == pytest.approx(found["dumped_ms"])
+    assert 0 < parts["the checklist's fingerprints"]["ms"] <= parts["start()"]["ms"]
+    # every tensor whose statistics were computed is in one size bucket; the width-8 model's are small
+    sizes = found["statistics"]
+    assert sizes["<= 4K (copied, reduced at flush)"]["tensors"] > 100 and sizes["> 1M"]["tensors"] == 0
+    total = sum(v["ms"] for v in sizes.values())
+    assert parts["statistics' reductions"]["ms"] == pytest.approx(total)
+    assert parts["recorded calls"]["note"] == "91 a step" and parts["tensor items"]["note"] == "326 a step"
+    # each dumped step's files were written once, inline or on the writer thread, and took CPU time
+    jobs = found["writer_jobs"]
+    assert sorted(job["step"] for job in jobs) == [2, 3] and all(job["cpu_ms"] > 0 for job in jobs)
+    assert "| the step's body (forward, backward, optimizer) |" in run.stdout
+
+
+def test_breakdown_refuses_a_configuration_that_dumps_nothing() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "dump_overhead.py"), "--breakdown", "trend", "tiny"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0 and "--breakdown trend tiny" in run.stderr
+
+
 def test_dump_overhead_refuses_a_window_outside_the_loop() -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "dump_overhead.py"), "--steps", "5", "--dump", "3-6"],
