@@ -28,7 +28,6 @@ from pytest_msprobe.dump.autograd import BackwardRecord, input_nodes
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.records import StepRecords, backward_parent
 from pytest_msprobe.dump.self_check import SelfCheck
-from pytest_msprobe.dump.stack import capture_stack
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.threads import slot
 from pytest_msprobe.dump.values import iter_tensors
@@ -115,7 +114,7 @@ class ApiCalls(StepRecords):
                 entry = {}
                 if select.fwd_in:
                     entry["input_args"], entry["input_kwargs"] = self.analyze_inputs(fwd, args, kwargs, grad)
-                stack = capture_stack(2)
+                stack = self.stacks.capture(2)
             before = input_nodes(args, kwargs) if want_bwd and grad else None
             check = self.self_check
             copied = None  # the inputs, copied before the call (in-place calls change them)

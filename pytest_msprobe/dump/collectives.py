@@ -41,7 +41,6 @@ import torch
 
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.records import StepRecords
-from pytest_msprobe.dump.stack import capture_stack
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.threads import quiet, slot
 from pytest_msprobe.dump.values import iter_tensors
@@ -124,7 +123,7 @@ class Collectives(StepRecords):
             if select.fwd_in:
                 inputs = self.analyze_inputs(fwd, args, kwargs, _is_grad_enabled())
                 entry["input_args"], entry["input_kwargs"] = inputs
-            stack = capture_stack(2)
+            stack = self.stacks.capture(2)
             out = orig(*args, **kwargs)
             self.data[fwd] = entry
             self.stacks.add(fwd, stack)

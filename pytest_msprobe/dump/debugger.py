@@ -54,6 +54,7 @@ from pytest_msprobe.dump.overflow import keep_overflows, keep_stacks
 from pytest_msprobe.dump.recorder import Recorder
 from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.dump.signals import heal as heal_signal_handlers
+from pytest_msprobe.dump.stack import StackAnchor
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.writer import (
     BackgroundJobs,
@@ -197,6 +198,8 @@ class PrecisionDebugger:
                 recorder.attach_model(self.model)
             if config.level == "mix":
                 recorder.attach_optimizer_hooks()
+            # the frames above this call stay while the step is captured: stacks stop walking at them
+            recorder.stacks.anchor = StackAnchor(skip=1)
             if config.apis:
                 self._patcher.install()
                 threads.activate(recorder)
@@ -313,6 +316,7 @@ class PrecisionDebugger:
             self._checklist.detach()
         if recorder is not None:
             recorder.closed = True
+            recorder.stacks.anchor = None  # its frames are let go
             if self._owner == threading.get_ident():
                 threads.deactivate(recorder)
         self._patcher.uninstall()

@@ -25,7 +25,6 @@ from pytest_msprobe.dump.autograd import BackwardRecord, find_consumers, get_seq
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.ops import add as _add
 from pytest_msprobe.dump.records import ModuleCall, StepRecords, backward_parent
-from pytest_msprobe.dump.stack import capture_stack
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.threads import slot
 from pytest_msprobe.format.names import BACKWARD, FORWARD, backward_of, module_base, params_grad_name
@@ -183,7 +182,7 @@ class ModuleHooks(StepRecords):
                 if select.fwd_in:
                     entry["input_args"], entry["input_kwargs"] = self.analyze_inputs(fwd, args, kwargs, False)
                 call.entry = entry
-                call.stack = capture_stack(3)
+                call.stack = self.stacks.capture(3)
             if call.wanted_bwd:
                 call.seq = get_sequence_nr()
                 for position, arg in enumerate(args):

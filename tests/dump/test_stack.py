@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from pytest_msprobe.dump.stack import StackTable, capture_stack
+import torch
+
+from pytest_msprobe import PrecisionDebugger
+from pytest_msprobe.dump.stack import StackAnchor, StackTable, capture_stack
 
 _SOURCE = """\
 from pytest_msprobe.dump.stack import capture_stack
@@ -54,3 +60,60 @@ def test_calls_from_one_place_share_one_stack() -> None:
     ((names, lines),) = rendered.values()
     assert names == [f"Tensor.add.{i}.forward" for i in range(3)]
     assert lines and "test_stack.py" in lines[0]
+
+
+def _both(depth: int, anchor: StackAnchor) -> tuple[object, object]:
+    """The stack of the caller of the innermost of ``depth`` nested calls, walked up to ``anchor`` and whole."""
+    if depth:
+        return _both(depth - 1, anchor)
+    return capture_stack(1, anchor), capture_stack(1)
+
+
+def test_an_anchored_stack_is_the_whole_stack() -> None:
+    anchor = StackAnchor(skip=0)  # this test's frame and those above it: pytest's
+    for depth in (0, 4, 1, 9):
+        with_anchor, walked = _both(depth, anchor)
+        assert with_anchor == walked
+    assert anchor.frame is sys._getframe(0)  # settled on this frame: later walks stop here
+    assert len(anchor.key) > 10  # pytest's frames, kept instead of walked
+
+
+def test_a_stack_from_another_caller_of_a_resumed_generator_is_its_own() -> None:
+    def steps() -> Iterator[tuple[object, object]]:
+        anchor = StackAnchor(skip=0)  # the generator's frame: its caller changes at every resume
+        while True:
+            yield _both(2, anchor)
+
+    def first(gen: Iterator[tuple[object, object]]) -> tuple[object, object]:
+        return next(gen)
+
+    def second(gen: Iterator[tuple[object, object]]) -> tuple[object, object]:
+        return next(gen)
+
+    gen = steps()
+    for resume in (first, second, first):
+        with_anchor, walked = resume(gen)
+        assert with_anchor == walked
+
+
+def test_an_anchor_whose_frames_have_returned_walks_the_whole_stack() -> None:
+    def take() -> StackAnchor:
+        return StackAnchor(skip=0)  # only this frame, gone when it returns, and the test's above it
+
+    anchor = take()
+    for depth in (3, 0):
+        with_anchor, walked = _both(depth, anchor)
+        assert with_anchor == walked
+
+
+def test_a_captured_step_keeps_no_frames_after_it_stops(tmp_path: Path) -> None:
+    debugger = PrecisionDebugger(dump_path=tmp_path, task="statistics", level="L1", step=[0])
+    debugger.start()
+    torch.ones(2).relu()
+    recorder = debugger._recorder
+    assert recorder is not None and recorder.stacks.anchor is not None
+    debugger.stop()
+    assert recorder.stacks.anchor is None
+    debugger.close()
+    stacks = json.loads((tmp_path / "step0" / "rank" / "stack.json").read_text())
+    assert any("torch.ones(2).relu()" in line for _, lines in stacks.values() for line in lines)
