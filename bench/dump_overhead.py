@@ -707,18 +707,25 @@ def tables(rows: list[dict[str, Any]], alternating: bool) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- profiling
-def profile(args: argparse.Namespace, shape: Shape, workdir: Path) -> None:
-    """Our loop in this process, the dumped steps under cProfile (every thread) or torch.profiler."""
-    config_name, model = args.profile
-    if config_name not in CONFIGS or model not in model_specs():
+def _in_process(
+    args: argparse.Namespace, flag: str, configs: list[str]
+) -> tuple[str, str, Config, torch.device]:
+    """The configuration and model of ``--profile`` / ``--breakdown``, checked, and the device; torch's threads
+    set as asked."""
+    config_name, model = getattr(args, flag)
+    if config_name not in configs or model not in model_specs():
         raise SystemExit(
-            f"--profile {config_name} {model}: expected a configuration of {', '.join(CONFIGS)} "
+            f"--{flag} {config_name} {model}: expected a configuration of {', '.join(configs)} "
             f"and a model of {', '.join(model_specs())}"
         )
-    config = CONFIGS[config_name]
-    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    return config_name, model, CONFIGS[config_name], torch.device(args.device)
+
+
+def profile(args: argparse.Namespace, shape: Shape, workdir: Path) -> None:
+    """Our loop in this process, the dumped steps under cProfile (every thread) or torch.profiler."""
+    config_name, model, config, device = _in_process(args, "profile", list(CONFIGS))
     loop = make_loop(model_specs()[model], shape.steps, device)
     debugger = make_debugger("ours", config, shape.window, workdir / "dump")
     trend = None
@@ -872,16 +879,8 @@ def breakdown(args: argparse.Namespace, shape: Shape, workdir: Path) -> dict[str
     from pytest_msprobe.dump.api_calls import ApiCalls
     from pytest_msprobe.dump.stats import StatEngine
 
-    config_name, model = args.breakdown
-    if config_name not in CONFIGS or CONFIGS[config_name].task is None or model not in model_specs():
-        raise SystemExit(
-            f"--breakdown {config_name} {model}: expected a dumping configuration of "
-            f"{', '.join(c for c, v in CONFIGS.items() if v.task)} and a model of {', '.join(model_specs())}"
-        )
-    config = CONFIGS[config_name]
-    device = torch.device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    dumping = [name for name, c in CONFIGS.items() if c.task is not None]
+    config_name, model, config, device = _in_process(args, "breakdown", dumping)
     parts = _Parts()
     jobs: list[tuple[int, bool, float]] = []  # (step, inline, CPU seconds) of each writer job
     submitted: list[int] = []  # the step of each job handed over, in order (jobs run one at a time, in order)
