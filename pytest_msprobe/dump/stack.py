@@ -7,7 +7,7 @@ written, once per distinct frame. stack.json groups the record names that share 
 
     {"0": [["Functional.conv2d.0.forward"], ["File /x/conv.py, line 549, in _conv_forward, \\n return F.conv2d(", ...]]}
 
-**Anchor.** Under pytest a call's stack is some 80 frames deep, most of them pytest's, and they do not move while
+**Anchor.** Under pytest a call's stack is some 40 frames deep, 30 of them pytest's, and they do not move while
 a step is captured. :class:`StackAnchor`, taken when the capture starts, notes the frames on the stack then; the
 first capture finds the innermost of them still on the stack (the test function, the training loop) and keeps
 the part of the stack above it, and later captures walk up to that frame only and reuse the rest: the same
