@@ -10,7 +10,8 @@
 #   5. bench       dump overhead on CUDA (bench/dump_overhead.py --device cuda) and the host synchronisations
 #                  per dumped step (--count-syncs: CUDA's GPU trace, see SyncCounter in the bench)
 #   6. compare     (again) a second CUDA run against the new CUDA baseline, without and with TF32: the device
-#                  against itself, last as the least needed when time runs short
+#                  against itself, late as the less needed when time runs short
+#   7. breakdown   where a dumped resnet50 step's time goes on the device (bench/dump_overhead.py --breakdown)
 #
 # Everything goes under one folder ($OUT when set, else ./device-check-out, or --out DIR), with summary.md
 # (the figures) and one log per stage. Each stage has its own time limit and the whole run stays under 8
@@ -199,6 +200,15 @@ run_stage bench-mix 45 "$PY" bench/dump_overhead.py --device "$DEVICE" --quick -
 compare vs-own-baseline "$BASELINE_OUT"
 compare vs-own-baseline-tf32 "$BASELINE_OUT" -p tf32_on
 
+# -- 7. where a dumped step's time goes on the device (timers, no profiler): last, the least needed -------------
+if [ "$DRY" = 1 ]; then
+    BREAKDOWN=(--quick --breakdown statistics_L1 tiny)
+else
+    BREAKDOWN=(--breakdown statistics_L1 resnet50)
+fi
+run_stage breakdown 60 "$PY" bench/dump_overhead.py --device "$DEVICE" "${BREAKDOWN[@]}" \
+    --json "$OUTDIR/breakdown.json"
+
 # -- the summary -------------------------------------------------------------------------------------------------
 "$PY" - "$OUTDIR" "$DEVICE" "$(($(date +%s) - START))" << 'EOF' > "$SUMMARY" 2> "$OUTDIR/summary-errors.log"
 """Reads the stages' outputs back into one markdown summary."""
@@ -288,6 +298,10 @@ for name in ("bench", "bench-mix"):
     text = log.read_text()
     tables = text[text.find("\n|") + 1 :] if "\n|" in text else f"(no table: see {name}.log)\n"
     print(tables.strip() + "\n")
+
+print("## Where a dumped step's time goes\n")
+log = out / "breakdown.log"
+print(log.read_text().strip() + "\n" if log.exists() else "no result (the stage did not run)\n")
 EOF
 say "summary: $SUMMARY"
 cat "$SUMMARY"
