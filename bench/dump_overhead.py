@@ -824,7 +824,6 @@ def _profiler(kind: str, device: torch.device, top: int) -> Iterator[Callable[[b
         threaded.strip_dirs().sort_stats("tottime").print_stats(top)
 
 
-# ------------------------------------------------------------------------------------------------ per call
 # ---------------------------------------------------------------------------------------------- breakdown
 # tensor sizes (elements) the statistics' time is split by: reduced together at flush up to SMALL, then larger
 _SIZE_BUCKETS = ((4096, "<= 4K (copied, reduced at flush)"), (1 << 16, "4K-64K"), (1 << 20, "64K-1M"))
@@ -846,10 +845,10 @@ class _Parts:
         self.ms: dict[int, dict[str, float]] = {}
         self.counts: dict[int, Counter[str]] = {}
 
-    def add(self, part: str, seconds: float, count: int = 1) -> None:
+    def add(self, part: str, seconds: float) -> None:
         by_part = self.ms.setdefault(self.step, {})
         by_part[part] = by_part.get(part, 0.0) + seconds * 1e3
-        self.counts.setdefault(self.step, Counter())[part] += count
+        self.counts.setdefault(self.step, Counter())[part] += 1
 
     def timed(
         self, owner: Any, name: str, part: str, key: Callable[..., str] | None = None
@@ -872,8 +871,8 @@ class _Parts:
 def breakdown(args: argparse.Namespace, shape: Shape, workdir: Path) -> dict[str, Any]:
     """Where our dumped steps' time goes, measured inside the loop, without a profiler: start() (the wrappers put
     in, the checklist's fingerprints), the step's body beyond an undumped step (of which the statistics'
-    reductions, by tensor size, and the rest: Python per recorded call, stacks, backward hooks), stop() and
-    step() (the wrappers taken out, the step's files when written inline), and the CPU time of the writer's jobs
+    reductions, by tensor size, and the rest: Python per recorded call, stacks, backward hooks), stop() (the
+    wrappers taken out, the step's files when written inline), and the CPU time of the writer's jobs
     that ran on its thread beside the next steps. Timers around the dump's own functions add ~1 us a tensor."""
     from pytest_msprobe.dump import checklist, debugger, intercept, writer
     from pytest_msprobe.dump.api_calls import ApiCalls
@@ -997,6 +996,7 @@ def _breakdown_table(
     }
 
 
+# ------------------------------------------------------------------------------------------------ per call
 def _best_ns_per_call(fn: Callable[[], Any], calls: int, rounds: int) -> float:
     best = float("inf")
     for _ in range(rounds):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,8 +105,6 @@ def test_tensor_files_appear_together_when_published(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("inline", [False, True])
 def test_a_job_s_failure_is_reported_by_the_next_wait_on_the_thread_or_inline(inline: bool) -> None:
-    import threading
-
     jobs = writer.BackgroundJobs()
     ran: list[int] = []
 
