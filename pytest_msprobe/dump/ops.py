@@ -35,6 +35,5 @@ vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]
 contiguous = _TB.contiguous
 detach = _TB.detach
 reshape = _TB.reshape
-split = _TB.split
 to = _TB.to
 view = _TB.view

@@ -266,6 +266,35 @@ def test_mean_and_norm_are_within_1e_6_of_float64_at_any_size(dtype: torch.dtype
             assert item["Norm"] == pytest.approx(exact.norm().item(), rel=1e-6, abs=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_tensors_statistics_do_not_depend_on_torchs_thread_count(dtype: torch.dtype) -> None:
+    """Above two chunks a tensor's float64 sum is one operator over rows of a chunk, each row summed by one
+    thread: a CPU baseline made with 16 threads has the bits of a run with 2 (one sum over a whole chunk is
+    split between threads, and its last bits moved with their number)."""
+    from pytest_msprobe.dump import reductions
+
+    chunk = reductions._CHUNK
+    g = torch.Generator().manual_seed(11)
+    threads = torch.get_num_threads()
+    for n in (2 * chunk, 5 * chunk + 2047, 37 * chunk + 5):
+        # magnitudes 2^-40 to 2^40: the order of a float64 sum shows in its last bits
+        scale = torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())
+        t = (torch.randn(n, generator=g) * scale).to(dtype)
+        seen = set()
+        try:
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                item = _stats(t)
+                seen.add((item["Mean"], item["Norm"]))
+        finally:
+            torch.set_num_threads(threads)
+        assert len(seen) == 1, (n, seen)
+        exact = t.double()
+        ((mean, norm),) = seen
+        assert mean == pytest.approx(exact.mean().item(), rel=1e-12)
+        assert norm == pytest.approx(exact.norm().item(), rel=1e-6)
+
+
 def test_the_norm_and_mean_of_a_100m_element_tensor_are_within_1e_6_of_float64() -> None:
     """Where float32 accumulation fails most: 1e8 elements (torch's float32 CPU norm was 1% off here)."""
     g = torch.Generator().manual_seed(7)
