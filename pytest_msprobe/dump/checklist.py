@@ -30,7 +30,7 @@ import torch
 
 from pytest_msprobe.dump import determinism
 from pytest_msprobe.dump.stats import crc32_hex as tensor_crc32
-from pytest_msprobe.dump.threads import quiet
+from pytest_msprobe.dump.threads import untracked
 from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, TAKEN_AT_START, encode_number
 
 # the environment variables that change the numbers of a run (documented in the README); a user adds more with
@@ -150,8 +150,7 @@ def fingerprints(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[st
     """:func:`fingerprint` of many tensors, by name, at a fraction of the cost of one at a time: the tensors'
     statistics go to the host in one transfer per dtype, and small tensors of one dtype and size are reduced
     together (a model's many biases and norm weights cost a few operators, not four each)."""
-    with quiet(), torch.no_grad():
-        return _fingerprints(named)
+    return untracked(_fingerprints, named)
 
 
 def _fingerprints(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
@@ -240,8 +239,9 @@ def _scalar(value: Any) -> Any:
     """A param group entry as JSON holds it: numbers, bools, strings, None, tuples of those; a tensor's value
     (a capturable lr); anything else by its type."""
     if isinstance(value, torch.Tensor):
-        with quiet():
-            return encode_number(float(value)) if value.numel() == 1 else f"<tensor {list(value.shape)}>"
+        if value.numel() != 1:
+            return f"<tensor {list(value.shape)}>"
+        return encode_number(untracked(float, value))
     if isinstance(value, float):
         return encode_number(value)
     if value is None or isinstance(value, (bool, int, str)):

@@ -42,7 +42,7 @@ import torch
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.records import StepRecords
 from pytest_msprobe.dump.stats import StatEngine
-from pytest_msprobe.dump.threads import quiet, slot
+from pytest_msprobe.dump.threads import slot, untracked
 from pytest_msprobe.dump.values import iter_tensors
 from pytest_msprobe.format.names import FORWARD
 
@@ -159,12 +159,15 @@ class Collectives(StepRecords):
         if entry is None:
             return
         try:
-            with quiet(), torch.no_grad():  # once per waited collective: no need to inline these
-                self.engine.forget(collective_tensors(pending.args, pending.kwargs))
-                entry["output"] = self._collective_output(pending.name, pending.args, pending.kwargs)
+            untracked(self._complete, entry, pending)
         except BaseException as exc:
             self.interrupted(exc)
             raise
+
+    def _complete(self, entry: dict[str, Any], pending: PendingCollective) -> None:
+        """The record of a waited collective, its tensors now final: their statistics taken anew."""
+        self.engine.forget(collective_tensors(pending.args, pending.kwargs))
+        entry["output"] = self._collective_output(pending.name, pending.args, pending.kwargs)
 
     def _collective_output(self, fwd: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """msprobe's ``output`` of a collective: its arguments after the call, positional then keyword values."""

@@ -89,9 +89,9 @@ class _ModuleBackward(BackwardRecord):
             self.grads_in = []  # let the gradients go once recorded
             self.grads_out = []
             self.recorder._write_backward(self.name, self.parent, grads_in, grads_out)
-        finally:
-            _set_grad_enabled(prev)
+        finally:  # the call last: a signal handler can raise after it (see threads.untracked)
             tls.active = prev_active
+            _set_grad_enabled(prev)
 
 
 class _ParamsHook:

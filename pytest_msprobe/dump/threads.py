@@ -27,14 +27,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 _set_grad_enabled = torch._C._set_grad_enabled
+_is_grad_enabled = torch._C.is_grad_enabled
 _current_autograd_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
 _current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _get_ident = threading.get_ident
+_T = TypeVar("_T")
 
 
 class CallTarget(Protocol):
@@ -170,6 +172,29 @@ def quiet() -> Iterator[None]:
         yield
     finally:
         tls.active = prev
+
+
+def untracked(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` with the calling thread's calls not recorded and autograd off, both put back after it.
+
+    For the dump's own work on the training thread inside a step (a hook's fingerprints, a collective's output).
+    A ``with`` block cannot promise the putting back: a context manager's ``__exit__`` is a Python function, and a
+    signal handler (Ctrl-C, pytest-timeout) can raise as it is entered, before it restores anything, leaving
+    gradients off for the rest of the program. Here the restore is a ``finally`` clause whose only call, the last,
+    is to C (Python runs handlers on entering Python functions, at loops and after calls).
+    """
+    tls = slot
+    prev = tls.active
+    grad = _is_grad_enabled()
+    try:
+        tls.active = None
+        if grad:
+            _set_grad_enabled(False)
+        return fn(*args)
+    finally:
+        tls.active = prev
+        if grad:
+            _set_grad_enabled(True)
 
 
 def silence_this_thread() -> None:

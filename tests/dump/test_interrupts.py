@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from pytest_msprobe import PrecisionDebugger
 from pytest_msprobe.dump import debugger as debugger_module
 from pytest_msprobe.dump import intercept, threads
+from pytest_msprobe.dump import signals as signals_module
 from pytest_msprobe.dump.signals import deferred_signals
 
 pytestmark = pytest.mark.usefixtures("no_leftover_debugger")
@@ -276,6 +277,88 @@ def _interrupt_runs(tmp_path: Path) -> None:
     # the interrupts reached most parts of the step (step() itself lasts about 0.1 ms: it is seldom hit)
     assert landed["forward"] and landed["backward"] and landed["stop"], landed
     assert len(set(landed) & {*_Run.PHASES, "close"}) >= 5, landed
+
+
+_PACKAGE = str(Path(intercept.__file__).resolve().parents[1])
+
+
+class _InterruptAtEntry:
+    """A trace function that raises KeyboardInterrupt as the ``at``-th Python function is entered, counting the
+    dump's own functions and those it calls, outside sections with deferred signals: where CPython runs a
+    signal's handler (on entering a Python function, such as a context manager's ``__exit__``). ``at`` None
+    counts only. Python unsets a trace function that raised, so a run is interrupted once."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at = at
+        self.seen = 0
+        self.inside: list[str] = []  # the dump's function entered at each position counted
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or signals_module._OPEN:
+            return None
+        caller = frame.f_back
+        code = frame.f_code
+        if not code.co_filename.startswith(_PACKAGE) and (
+            caller is None or not caller.f_code.co_filename.startswith(_PACKAGE)
+        ):
+            return None
+        self.seen += 1
+        if self.at is None:
+            owner = code if code.co_filename.startswith(_PACKAGE) else caller.f_code
+            self.inside.append(f"{Path(owner.co_filename).name}:{owner.co_name}")
+        elif self.seen == self.at:
+            raise KeyboardInterrupt
+        return None
+
+
+def test_an_interrupt_entering_any_function_of_the_dump_leaves_gradients_on(tmp_path: Path) -> None:
+    """An interrupt raised as a function is entered while the dump works on the training thread (a hook's
+    fingerprints, a recorded call's statistics, a module's backward record) leaves ``close()`` with gradients on
+    and nothing installed: every place where the dump switches gradients off puts them back in a ``finally``
+    clause, never through a context manager's ``__exit__``, which an interrupt can cut before it runs. Every
+    position inside the checklist's and the module hooks' work is tried, and a spread of the others."""
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _note_swallowed  # an interrupt raised in a generator's finalizer: Python drops it
+    try:
+        _interrupt_at_entries(tmp_path)
+    finally:
+        sys.unraisablehook = previous_hook
+
+
+def _interrupt_at_entries(tmp_path: Path) -> None:
+    counter = _InterruptAtEntry(None)
+    run = _Run(tmp_path / "count", "statistics", "mix")
+    sys.settrace(counter)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    hooks = [
+        i + 1 for i, where in enumerate(counter.inside) if where.startswith(("checklist.", "module_hooks."))
+    ]
+    assert hooks and counter.seen > 500, (len(hooks), counter.seen)
+    positions = sorted(set(hooks) | set(range(1, counter.seen + 1, counter.seen // 60)))
+    landed = 0
+    for at in positions:
+        run = _Run(tmp_path / f"at{at}", "statistics", "mix")
+        injector = _InterruptAtEntry(at)
+        sys.settrace(injector)
+        try:
+            run()
+        except BaseException:  # the interrupt, or what a backward hook's interrupt became inside autograd
+            landed += 1
+        finally:
+            sys.settrace(None)
+        where = f"interrupted entering position {at} ({counter.inside[at - 1]}), in {run.where}"
+        try:
+            run.debugger.close()
+        except BaseException as exc:  # pragma: no cover - the failure message
+            pytest.fail(f"{where}: close() raised {type(exc).__name__}: {exc}")
+        try:
+            _assert_nothing_left(run.model)
+        except AssertionError as exc:
+            pytest.fail(f"{where}: {exc}")
+    assert landed >= len(positions) // 2, (landed, len(positions))
 
 
 def test_abort_drops_the_step_and_leaves_a_usable_debugger(tmp_path: Path, make_dumps: Any) -> None:
