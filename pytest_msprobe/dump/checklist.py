@@ -22,7 +22,6 @@ import os
 import platform
 import sys
 import threading
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -277,13 +276,6 @@ def caller_model(depth: int = 12, frames: int = 2) -> torch.nn.Module | None:
     return best[1] if best is not None else None
 
 
-def _is_module(obj: object) -> bool:
-    try:
-        return isinstance(obj, torch.nn.Module)
-    except Exception:  # a proxy whose __class__ raises
-        return False
-
-
 def model_of(groups: Sequence[Mapping[str, Any]]) -> torch.nn.Module | None:
     """The module whose parameters an optimizer's param groups hold: of the live modules holding most of them,
     the innermost (a model rather than its DistributedDataParallel wrapper, which names them ``module.*``)."""
@@ -293,9 +285,10 @@ def model_of(groups: Sequence[Mapping[str, Any]]) -> torch.nn.Module | None:
     if not wanted:
         return None
     best: tuple[int, int, torch.nn.Module] | None = None
-    with warnings.catch_warnings():  # isinstance() on some objects warns (torch.distributed.reduce_op)
-        warnings.simplefilter("ignore")
-        modules = [obj for obj in gc.get_objects() if _is_module(obj)]
+    # by the object's type, never its __class__ (which warns on some objects, torch.distributed.reduce_op, and
+    # raises on some proxies): no warning filter to set and put back, which an interrupt could leave set
+    module_type = torch.nn.Module
+    modules = [obj for obj in gc.get_objects() if issubclass(type(obj), module_type)]
     for obj in modules:
         ids = [id(p) for p in obj.parameters()]
         overlap = sum(1 for i in ids if i in wanted)
