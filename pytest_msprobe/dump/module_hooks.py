@@ -26,12 +26,11 @@ from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.ops import add as _add
 from pytest_msprobe.dump.records import ModuleCall, StepRecords, backward_parent
 from pytest_msprobe.dump.stats import StatEngine
-from pytest_msprobe.dump.threads import slot
+from pytest_msprobe.dump.threads import slot, untracked
 from pytest_msprobe.format.names import BACKWARD, FORWARD, backward_of, module_base, params_grad_name
 
 _Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
-_set_grad_enabled = torch._C._set_grad_enabled
 _get_ident = threading.get_ident
 
 
@@ -70,28 +69,22 @@ class _ModuleBackward(BackwardRecord):
         if self.done:
             return
         self.done = True
-        tls = slot
-        prev_active = tls.active
-        prev = _is_grad_enabled()
-        try:
-            tls.active = None
-            _set_grad_enabled(False)
-            grads_out: list[Any] = []
-            for contributions in self.grads_out:
-                if not contributions:
-                    grads_out.append(None)
-                    continue
-                total = contributions[0]
-                for more in contributions[1:]:
-                    total = _add(total, more)
-                grads_out.append(total)
-            grads_in = self.grads_in
-            self.grads_in = []  # let the gradients go once recorded
-            self.grads_out = []
-            self.recorder._write_backward(self.name, self.parent, grads_in, grads_out)
-        finally:  # the call last: a signal handler can raise after it (see threads.untracked)
-            tls.active = prev_active
-            _set_grad_enabled(prev)
+        untracked(self._record)
+
+    def _record(self) -> None:
+        grads_out: list[Any] = []
+        for contributions in self.grads_out:
+            if not contributions:
+                grads_out.append(None)
+                continue
+            total = contributions[0]
+            for more in contributions[1:]:
+                total = _add(total, more)
+            grads_out.append(total)
+        grads_in = self.grads_in
+        self.grads_in = []  # let the gradients go once recorded
+        self.grads_out = []
+        self.recorder._write_backward(self.name, self.parent, grads_in, grads_out)
 
 
 class _ParamsHook:
