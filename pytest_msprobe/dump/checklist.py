@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pytest_msprobe.dump import determinism
+from pytest_msprobe.dump import determinism, precision
 from pytest_msprobe.dump.stats import crc32_hex as tensor_crc32
 from pytest_msprobe.dump.threads import untracked
 from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, TAKEN_AT_START, encode_number
@@ -95,34 +95,6 @@ def _module_version(name: str) -> str | None:
     return str(getattr(module, "__version__", None))
 
 
-def _switches() -> dict[str, Any]:
-    matmul = torch.backends.cuda.matmul
-    found: dict[str, Any] = {
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "cudnn.deterministic": bool(torch.backends.cudnn.deterministic),
-        "cudnn.benchmark": bool(torch.backends.cudnn.benchmark),
-        "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-        "cuda.matmul.allow_tf32": bool(matmul.allow_tf32),
-        "cuda.matmul.allow_fp16_reduced_precision_reduction": bool(
-            matmul.allow_fp16_reduced_precision_reduction
-        ),
-        "cuda.matmul.allow_bf16_reduced_precision_reduction": bool(
-            matmul.allow_bf16_reduced_precision_reduction
-        ),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "dropout_removed": determinism.dropout_removed(),
-    }
-    npu = getattr(torch, "npu", None) if "torch_npu" in sys.modules else None
-    if npu is not None:
-        for part in ("matmul", "conv"):
-            holder = getattr(npu, part, None)
-            value = getattr(holder, "allow_hf32", None) if holder is not None else None
-            if value is not None:
-                found[f"npu.{part}.allow_hf32"] = bool(value)
-    return found
-
-
 def environment(extra_env: Sequence[str] = ()) -> dict[str, Any]:
     """The context part of a checklist: environment variables, versions, switches and the seed."""
     names = dict.fromkeys((*NUMERIC_ENV, *extra_env))
@@ -130,7 +102,7 @@ def environment(extra_env: Sequence[str] = ()) -> dict[str, Any]:
         "seed": determinism.last_seed(),
         "environment": {name: os.environ.get(name) for name in names},
         "versions": _versions(),
-        "switches": _switches(),
+        "switches": precision.switches(),
     }
 
 

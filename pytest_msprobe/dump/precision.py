@@ -1,0 +1,143 @@
+"""torch's numeric switches as this process has them, the numerics policy they give (see
+:mod:`pytest_msprobe.format.precision`), and the rounding that emulates a reduced float32 format.
+
+- :func:`switches`: every switch that changes the numbers of a float32 run (what the checklist records);
+- :func:`current_policy`: the policy of a device now, with the autocast dtype in force where it is called;
+- :func:`round_mantissa`: a float32 tensor rounded to the mantissa of a compute format (TF32's 10 bits, HF32's,
+  bfloat16's 7), to nearest, ties to even, as the tensor cores round their inputs;
+- :func:`strict_float32`: TF32 and HF32 off (float32 math in float32 on every device), returning what puts the
+  switches back.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pytest_msprobe.dump import determinism
+from pytest_msprobe.format.precision import FLOAT32, MANTISSA_BITS, Policy, device_type, policy_from_switches
+
+# torch >= 2.9 also names the format of each backend's float32 math (``ieee``, ``tf32``, ``bf16``, ``none``)
+_FP32_PRECISION = (
+    ("fp32_precision", ("backends",)),
+    ("cuda.matmul.fp32_precision", ("backends", "cuda", "matmul")),
+    ("cudnn.conv.fp32_precision", ("backends", "cudnn", "conv")),
+    ("cudnn.rnn.fp32_precision", ("backends", "cudnn", "rnn")),
+    ("mkldnn.matmul.fp32_precision", ("backends", "mkldnn", "matmul")),
+    ("mkldnn.conv.fp32_precision", ("backends", "mkldnn", "conv")),
+)
+
+
+def _attribute(path: tuple[str, ...], name: str = "fp32_precision") -> Any:
+    holder: Any = torch
+    for part in path:
+        holder = getattr(holder, part, None)
+        if holder is None:
+            return None
+    try:
+        return getattr(holder, name, None)
+    except Exception:  # a backend that cannot say (not built in): nothing to record
+        return None
+
+
+def switches() -> dict[str, Any]:
+    """torch's (and torch_npu's) switches that change a run's numbers, by the names the checklist uses."""
+    matmul = torch.backends.cuda.matmul
+    found: dict[str, Any] = {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn.deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn.benchmark": bool(torch.backends.cudnn.benchmark),
+        "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "cuda.matmul.allow_tf32": bool(matmul.allow_tf32),
+        "cuda.matmul.allow_fp16_reduced_precision_reduction": bool(
+            matmul.allow_fp16_reduced_precision_reduction
+        ),
+        "cuda.matmul.allow_bf16_reduced_precision_reduction": bool(
+            matmul.allow_bf16_reduced_precision_reduction
+        ),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "dropout_removed": determinism.dropout_removed(),
+    }
+    for key, path in _FP32_PRECISION:
+        value = _attribute(path)
+        if isinstance(value, str):
+            found[key] = value
+    npu = getattr(torch, "npu", None) if "torch_npu" in sys.modules else None
+    if npu is not None:
+        for part in ("matmul", "conv"):
+            holder = getattr(npu, part, None)
+            value = getattr(holder, "allow_hf32", None) if holder is not None else None
+            if value is not None:
+                found[f"npu.{part}.allow_hf32"] = bool(value)
+    return found
+
+
+def autocast_dtype(device: Any) -> str | None:
+    """The dtype autocast computes in on this device type where it is called now, None when autocast is off."""
+    kind = device_type(device)
+    try:
+        if not torch.is_autocast_enabled(kind):
+            return None
+        dtype = torch.get_autocast_dtype(kind)
+    except (RuntimeError, TypeError, AttributeError):  # an older torch, or a device type autocast lacks
+        return None
+    return str(dtype).removeprefix("torch.")
+
+
+def current_policy(device: Any, found: dict[str, Any] | None = None) -> Policy:
+    """The policy of ``device`` under the switches now (``found``: already read), autocast included."""
+    return policy_from_switches(device, switches() if found is None else found, autocast_dtype(device))
+
+
+def round_mantissa(tensor: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``tensor`` (float32) rounded to the mantissa of ``fmt`` (to nearest, ties to even), in float32; a tensor
+    of another dtype, or a format of full float32 precision, is returned as it is. Infinities and NaN stay."""
+    bits = MANTISSA_BITS.get(fmt, 23)
+    if fmt == FLOAT32 or bits >= 23 or tensor.dtype != torch.float32:
+        return tensor
+    drop = 23 - bits
+    raw = tensor.detach().contiguous().view(torch.int32)
+    # round half to even on the bits kept: add 0x7ff..f plus the lowest kept bit, then clear the dropped bits
+    lowest_kept = (raw >> drop) & 1
+    rounded = (raw + ((1 << (drop - 1)) - 1) + lowest_kept) & ~((1 << drop) - 1)
+    out = rounded.view(torch.float32)
+    finite = torch.isfinite(tensor)
+    return torch.where(finite, out, tensor)
+
+
+def strict_float32() -> Callable[[], None]:
+    """Switch TF32 and HF32 off (CUDA's cuDNN convolutions and matmuls, ``float32_matmul_precision`` highest, the
+    NPU's convolutions and matmuls), so float32 math is computed in float32 on every device; returns the
+    function that puts every switch back as it was."""
+    matmul = torch.backends.cuda.matmul
+    saved = (
+        bool(torch.backends.cudnn.allow_tf32),
+        bool(matmul.allow_tf32),
+        torch.get_float32_matmul_precision(),
+    )
+    npu = getattr(torch, "npu", None) if "torch_npu" in sys.modules else None
+    npu_saved: dict[str, bool] = {}
+    for part in ("matmul", "conv") if npu is not None else ():
+        holder = getattr(npu, part, None)
+        value = getattr(holder, "allow_hf32", None) if holder is not None else None
+        if holder is not None and value is not None:
+            npu_saved[part] = bool(value)
+            holder.allow_hf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    matmul.allow_tf32 = False
+
+    def restore() -> None:
+        torch.backends.cudnn.allow_tf32 = saved[0]
+        torch.set_float32_matmul_precision(saved[2])
+        matmul.allow_tf32 = saved[1]
+        for part, value in npu_saved.items():
+            holder = getattr(npu, part, None)
+            if holder is not None:
+                holder.allow_hf32 = value
+
+    return restore
