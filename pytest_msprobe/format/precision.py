@@ -12,7 +12,8 @@ Devices compute float32 math in a reduced format where a switch allows it, each 
   ``...conv.fp32_precision`` set to ``bf16`` or ``tf32``).
 
 A :class:`Policy` says, per kind of call (:data:`CONV`, :data:`MATMUL`), the format and the switch that chose it;
-the checklist records it (``"precision"``) and the self-check replays each call under it.
+the checklist records it (``"precision"``) and the self-check replays each call under it. :func:`kind_of` says
+which recorded API calls are of which kind: the one table of the APIs a setting governs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pytest_msprobe.format.names import MODULE_PREFIXES, parse_name
 
 FLOAT32, TF32, HF32, BFLOAT16, FLOAT16 = "float32", "tf32", "hf32", "bfloat16", "float16"
 # explicit mantissa bits of each compute format (float32's 23 is full precision: nothing is rounded)
@@ -37,6 +40,56 @@ MKLDNN_CONV = "torch.backends.mkldnn.conv.fp32_precision"
 MKLDNN_MATMUL = "torch.backends.mkldnn.matmul.fp32_precision"
 
 _REDUCED_NAMES = {"tf32": TF32, "bf16": BFLOAT16, "bfloat16": BFLOAT16}
+
+# The recorded APIs whose float32 math runs in the kernels a switch governs, by record prefix: convolutions
+# (cuDNN's, the NPU's conv, oneDNN's) and matrix products (cuBLAS's GEMMs, the NPU's matmul, oneDNN's). A
+# matrix-vector product (mv, dot, addmv) is left out: no tensor-core kernel computes it, on any device.
+# Attention and bilinear layers are matrix products inside (scaled_dot_product_attention's math backend,
+# multi_head_attention_forward's projections), and einsum and tensordot reach the GEMMs through bmm and mm.
+_CONV_OPS = frozenset(
+    {
+        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc",
+        "convolution", "_convolution", "convolution_backward", "cudnn_convolution",
+        "cudnn_convolution_transpose", "mkldnn_convolution", "npu_conv2d", "npu_conv3d",
+        "npu_conv_transpose2d", "npu_convolution", "npu_convolution_transpose",
+    }
+)  # fmt: skip
+_MATMUL_OPS = frozenset(
+    {
+        "linear", "bilinear", "matmul", "mm", "bmm", "addmm", "addmm_", "baddbmm", "baddbmm_", "addbmm",
+        "addbmm_", "einsum", "tensordot", "inner", "chain_matmul", "linalg.matmul", "linalg.multi_dot",
+        "__matmul__", "__rmatmul__", "scaled_dot_product_attention", "multi_head_attention_forward",
+        "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "npu_linear",
+        "npu_bmmV2", "npu_grouped_matmul",
+    }
+)  # fmt: skip
+# which of those each namespace has (an Aten name is the op before its overload: ``Aten.mm.default``)
+_NAMESPACES = frozenset({"Functional", "Torch", "Tensor", "Aten", "NPU"})
+
+
+def kind_of(name: str) -> str | None:
+    """The kind of call (:data:`CONV` or :data:`MATMUL`) a recorded API is, by its record name or API name
+    (forward and backward alike); None for every other API and for module records.
+
+        >>> kind_of("Functional.conv2d.0.backward"), kind_of("Tensor.__matmul__.3.forward")
+        ('conv', 'matmul')
+        >>> kind_of("Functional.relu.0.forward") is None
+        True
+    """
+    if name.startswith(MODULE_PREFIXES):
+        return None
+    base = parse_name(name).base
+    prefix, _, op = base.partition(".")
+    if prefix not in _NAMESPACES:
+        return None
+    if prefix == "Aten":
+        op = op.partition(".")[0]
+    if op in _CONV_OPS:
+        return CONV
+    if op in _MATMUL_OPS:
+        return MATMUL
+    return None
 
 
 @dataclass(frozen=True)
