@@ -49,7 +49,7 @@ def load_own(dump_json: Path, replay: bool) -> OwnErrors | None:
         from pytest_msprobe.replay.offline import replay_dump  # needs torch: only for a tensor dump
     except ImportError:
         return None
-    return {c.name: CallOwn(c.outputs, c.skipped) for c in replay_dump(dump_json).calls}
+    return {c.name: CallOwn(c.outputs, c.skipped, c.emulated) for c in replay_dump(dump_json).calls}
 
 
 def verdict(

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from pytest_msprobe.dump import threads
+from pytest_msprobe.dump import precision, threads
 from pytest_msprobe.dump.checklist import StepChecklist, caller_model
 from pytest_msprobe.dump.config import DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
@@ -185,10 +185,11 @@ class PrecisionDebugger:
             _STARTED[ident] = self
             recorder.owner = ident
             recorder.closed = False
-            if self._checklist is None:
-                self._checklist = StepChecklist(
-                    self.current_step, current_rank(), _device_of(self.model), self.checklist_env
-                )
+            if self._checklist is None:  # the step's first start
+                device = precision.training_device(self.model)
+                self._checklist = StepChecklist(self.current_step, current_rank(), device, self.checklist_env)
+                if recorder.self_check is not None:  # judged by what the device declares as the step starts
+                    recorder.self_check.policy = precision.current_policy(device)
             if self.model is None and self._checklist_model is None:
                 self._checklist_model = caller_model()
             self._checklist.start(self.model if self.model is not None else self._checklist_model)
@@ -399,7 +400,11 @@ class PrecisionDebugger:
                     writer.publish()  # the tensor folder appears before the dump.json that names its files
                 construct = recorder.construct if config.modules else {}
                 check = recorder.self_check
-                own = (check.own_errors(recorder.data), check.device) if check is not None else None
+                own = None
+                if check is not None:
+                    policy = check.precision
+                    declared = policy.to_dict() if policy is not None else None
+                    own = (check.own_errors(recorder.data), check.device, declared)
                 data, stacks = recorder.data, recorder.stacks.render()
                 if config.overflow_check:
                     data, stacks = self._overflowing(step, data, stacks)
@@ -424,17 +429,6 @@ class PrecisionDebugger:
         kept = keep_overflows(data, limit)
         self._overflows[step] = len(kept)
         return kept, keep_stacks(stacks, kept)
-
-
-def _device_of(model: torch.nn.Module | None) -> str:
-    """The device type a step trains on: the model's, else the accelerator in use, else the CPU."""
-    if model is not None:
-        for p in model.parameters():
-            return p.device.type
-    npu = getattr(torch, "npu", None)
-    if npu is not None and getattr(npu, "is_initialized", lambda: False)():
-        return "npu"
-    return "cuda" if torch.cuda.is_initialized() else "cpu"
 
 
 def _sync_devices() -> None:

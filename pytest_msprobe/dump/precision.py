@@ -2,9 +2,11 @@
 :mod:`pytest_msprobe.format.precision`), and the rounding that emulates a reduced float32 format.
 
 - :func:`switches`: every switch that changes the numbers of a float32 run (what the checklist records);
+- :func:`training_device`: the device type a step trains on (the policy's device);
 - :func:`current_policy`: the policy of a device now, with the autocast dtype in force where it is called;
 - :func:`round_mantissa`: a float32 tensor rounded to the mantissa of a compute format (TF32's 10 bits, HF32's,
-  bfloat16's 7), to nearest, ties to even, as the tensor cores round their inputs;
+  bfloat16's 7), to nearest, ties to even, as the tensor cores round their inputs (defined with the replay's
+  emulation of a declared precision, :mod:`pytest_msprobe.replay.emulate`, which rounds with it);
 - :func:`strict_float32`: TF32 and HF32 off (float32 math in float32 on every device), returning what puts the
   switches back.
 """
@@ -18,7 +20,17 @@ from typing import Any
 import torch
 
 from pytest_msprobe.dump import determinism
-from pytest_msprobe.format.precision import FLOAT32, MANTISSA_BITS, Policy, device_type, policy_from_switches
+from pytest_msprobe.format.precision import Policy, device_type, policy_from_switches
+from pytest_msprobe.replay.emulate import round_mantissa
+
+__all__ = [
+    "autocast_dtype",
+    "current_policy",
+    "round_mantissa",
+    "strict_float32",
+    "switches",
+    "training_device",
+]
 
 # torch >= 2.9 also names the format of each backend's float32 math (``ieee``, ``tf32``, ``bf16``, ``none``)
 _FP32_PRECISION = (
@@ -76,6 +88,18 @@ def switches() -> dict[str, Any]:
     return found
 
 
+def training_device(model: torch.nn.Module | None) -> str:
+    """The device type a step trains on: the model's, else the accelerator in use, else the CPU (what the
+    checklist records and the self-check's policy is read for)."""
+    if model is not None:
+        for p in model.parameters():
+            return p.device.type
+    npu = getattr(torch, "npu", None)
+    if npu is not None and getattr(npu, "is_initialized", lambda: False)():
+        return "npu"
+    return "cuda" if torch.cuda.is_initialized() else "cpu"
+
+
 def autocast_dtype(device: Any) -> str | None:
     """The dtype autocast computes in on this device type where it is called now, None when autocast is off."""
     kind = device_type(device)
@@ -91,22 +115,6 @@ def autocast_dtype(device: Any) -> str | None:
 def current_policy(device: Any, found: dict[str, Any] | None = None) -> Policy:
     """The policy of ``device`` under the switches now (``found``: already read), autocast included."""
     return policy_from_switches(device, switches() if found is None else found, autocast_dtype(device))
-
-
-def round_mantissa(tensor: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``tensor`` (float32) rounded to the mantissa of ``fmt`` (to nearest, ties to even), in float32; a tensor
-    of another dtype, or a format of full float32 precision, is returned as it is. Infinities and NaN stay."""
-    bits = MANTISSA_BITS.get(fmt, 23)
-    if fmt == FLOAT32 or bits >= 23 or tensor.dtype != torch.float32:
-        return tensor
-    drop = 23 - bits
-    raw = tensor.detach().contiguous().view(torch.int32)
-    # round half to even on the bits kept: add 0x7ff..f plus the lowest kept bit, then clear the dropped bits
-    lowest_kept = (raw >> drop) & 1
-    rounded = (raw + ((1 << (drop - 1)) - 1) + lowest_kept) & ~((1 << drop) - 1)
-    out = rounded.view(torch.float32)
-    finite = torch.isfinite(tensor)
-    return torch.where(finite, out, tensor)
 
 
 def strict_float32() -> Callable[[], None]:

@@ -9,6 +9,12 @@ arguments and outputs go through the same two steps as a tensor dump replayed of
 them, :class:`~pytest_msprobe.dump.values.Values`, then the replay's rebuild of that form): online and offline
 give the same verdicts, and skip the same calls for the same reasons.
 
+**The declared precision.** The replay emulates what the device declares (:mod:`pytest_msprobe.replay.emulate`):
+the policy of its device as the step starts (:attr:`SelfCheck.policy`, set by the debugger: TF32 or HF32
+convolutions and matmuls), and the autocast dtype read at each call, before it runs. A call with float32 inputs
+under either is replayed with its kernels' operands rounded (cast) as the device's are; its record in the
+sidecar says which format (``"emulated": "tf32"``), and the sidecar's header the policy.
+
 **Backward.** When a backward record will follow (the call's output has an autograd node of its own), the
 replay runs with gradients on and is kept until that record is written: the node of its output is then given
 the incoming gradients (float64) and the gradients it gives back are judged against those the device gave
@@ -23,18 +29,22 @@ recorded as skipped with the reason.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
 
 from pytest_msprobe.dump import ops
 from pytest_msprobe.dump.config import DumpConfig
+from pytest_msprobe.dump.precision import autocast_dtype
 from pytest_msprobe.dump.stats import StatEngine, dtype_name
 from pytest_msprobe.dump.values import Values
 from pytest_msprobe.format.names import BACKWARD, FORWARD, MODULE_PREFIX, parse_name
 from pytest_msprobe.format.own_errors import CallOwn
+from pytest_msprobe.format.precision import Policy
 from pytest_msprobe.replay.apis import Target, resolve
 from pytest_msprobe.replay.backward import judge_gradients, node_gradients, run_call
+from pytest_msprobe.replay.emulate import Emulator, emulation_for, emulator
 from pytest_msprobe.replay.offline import judge_forward
 from pytest_msprobe.replay.values import Unreplayable, as_leaf, flat, is_tensor_node, raised, rebuild_inputs
 
@@ -111,6 +121,10 @@ class SelfCheck:
     """
 
     def __init__(self, config: DumpConfig) -> None:
+        # the device's declared precision as the step started (None: float32 everywhere)
+        self.policy: Policy | None = None
+        # the autocast dtype of the step's calls, where one ran under it
+        self.autocast_seen: str | None = None
         self._calls: dict[str, CallOwn] = {}
         # backward record name -> its call's replay (float64, with its graph), or why there is none
         self._kept: dict[str, Any] = {}
@@ -122,12 +136,23 @@ class SelfCheck:
     def device(self) -> str:
         return self._inputs.copies.device or self._outputs.copies.device
 
+    @property
+    def precision(self) -> Policy | None:
+        """The policy the step's calls were judged by, with the autocast dtype they ran under."""
+        policy = self.policy
+        if policy is None or self.autocast_seen is None:
+            return policy
+        return replace(policy, autocast=self.autocast_seen)
+
     def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A copy of a call's inputs, taken before it runs (the JSON form, holding the copies), or why not."""
+        """A copy of a call's inputs, taken before it runs (the JSON form, holding the copies), with the autocast
+        dtype in force for it; or why not."""
         try:
-            return self._inputs.analyze_inputs("", args, kwargs, torch.is_grad_enabled())
+            nodes = self._inputs.analyze_inputs("", args, kwargs, torch.is_grad_enabled())
         except Exception as exc:
             return _Skip(str(exc) if isinstance(exc, Unreplayable) else raised("copying its inputs", exc))
+        policy = self.policy
+        return _Copied(nodes, autocast_dtype(policy.device if policy is not None else self.device or "cpu"))
 
     def forward(self, api: str, fwd: str | None, bwd: str | None, inputs: Any, out: Any) -> None:
         """After a call: replay it from ``inputs`` and judge ``out`` (recorded as ``fwd`` when given); keep the
@@ -140,7 +165,8 @@ class SelfCheck:
                 else:
                     recorded = flat(self._outputs.analyze_output("", out, False))
                     expected = [_held(n) if is_tensor_node(n) else None for n in recorded]
-                    self._calls[fwd] = CallOwn(*judge_forward(replay, recorded, expected))
+                    outputs, why = judge_forward(replay.out, recorded, expected)
+                    self._calls[fwd] = CallOwn(outputs, why, _label(replay.emulator))
         except Unreplayable as exc:
             replay = _Skip(str(exc))
             if fwd is not None:
@@ -152,7 +178,7 @@ class SelfCheck:
         if bwd is not None:
             self._kept[bwd] = replay
 
-    def _replay(self, api: str, grad: bool, inputs: Any) -> Any:
+    def _replay(self, api: str, grad: bool, inputs: Any) -> _Replay | _Skip:
         """The call's replay from its copied inputs, or a _Skip saying why there is none."""
         if isinstance(inputs, _Skip):
             return inputs
@@ -161,14 +187,17 @@ class SelfCheck:
             target = self._targets[api] = resolve(f"{api}.0.{FORWARD}")
         if target.fn is None:
             return _Skip(target.reason)
-        copied = {"input_args": inputs[0], "input_kwargs": inputs[1]}
+        copied = {"input_args": inputs.nodes[0], "input_kwargs": inputs.nodes[1]}
+        if inputs.autocast is not None and self.autocast_seen is None:
+            self.autocast_seen = inputs.autocast
+        emulating = emulator(emulation_for(self.policy, inputs.autocast, copied))
         args, kwargs = rebuild_inputs(copied, _leaf if grad else _held)
         state = _get_rng_state()
         try:
-            replay, why = run_call(target, args, kwargs, grad)
+            replay, why = run_call(target, args, kwargs, grad, emulating)
         finally:
             _set_rng_state(state)
-        return _Skip(why) if why else replay
+        return _Skip(why) if why else _Replay(replay, emulating)
 
     def backward(self, bwd: str, grads_in: list[Any], grads_out: list[Any]) -> None:
         """A backward record written: the kept replay's node given ``grads_in``, judged against ``grads_out``."""
@@ -183,11 +212,12 @@ class SelfCheck:
             incoming = [_held(n) if is_tensor_node(n) else None for n in nodes]
             recorded = [self._outputs.analyze(g, None, True) for g in grads_out]
             dumped = [_held(n) if is_tensor_node(n) else None for n in recorded]
-            given, why = node_gradients(replay, incoming, len(dumped))
+            given, why = node_gradients(replay.out, incoming, len(dumped), replay.emulator)
             if why:
                 self._calls[bwd] = CallOwn(skipped=why)
             else:
-                self._calls[bwd] = CallOwn(judge_gradients(incoming, recorded, dumped, given))
+                own = judge_gradients(incoming, recorded, dumped, given)
+                self._calls[bwd] = CallOwn(own, emulated=_label(replay.emulator))
         except Unreplayable as exc:
             self._calls[bwd] = CallOwn(skipped=str(exc))
         except Exception as exc:
@@ -207,6 +237,30 @@ class SelfCheck:
             call = self._calls.get(name)
             out[name] = call if call is not None else CallOwn(skipped=resolve(name).reason or "not replayed")
         return out
+
+
+class _Copied:
+    """A call's inputs as copied before it ran (the JSON form), and the autocast dtype in force for it."""
+
+    __slots__ = ("autocast", "nodes")
+
+    def __init__(self, nodes: Any, autocast: str | None) -> None:
+        self.nodes = nodes
+        self.autocast = autocast
+
+
+class _Replay:
+    """A call's replayed outputs, and the emulation its backward runs under too."""
+
+    __slots__ = ("emulator", "out")
+
+    def __init__(self, out: Any, emulating: Emulator | None) -> None:
+        self.out = out
+        self.emulator = emulating
+
+
+def _label(emulating: Emulator | None) -> str:
+    return emulating.label if emulating is not None else ""
 
 
 class _Skip:

@@ -108,18 +108,19 @@ def write_step_files(
     data: dict[str, Any],
     stack: dict[str, Any],
     construct: dict[str, Any],
-    own_errors: tuple[Mapping[str, CallOwn], str] | None = None,
+    own_errors: tuple[Mapping[str, CallOwn], str, Mapping[str, Any] | None] | None = None,
 ) -> None:
     """Write dump.json, stack.json and construct.json of one step into ``folder`` (created if needed), and the
-    self-check's sidecar before them when ``own_errors`` (every call's own error, the device) is given: a
-    dump.json of a self-checked step is never without its sidecar."""
+    self-check's sidecar before them when ``own_errors`` (every call's own error, the device, the policy they
+    were judged by) is given: a dump.json of a self-checked step is never without its sidecar."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DumpError(f"{folder}: cannot create the dump folder ({exc.strerror or exc})") from exc
     if own_errors is not None:
         try:
-            write_own_errors(folder / DUMP_JSON, own_errors[0], device=own_errors[1])
+            calls, device, policy = own_errors
+            write_own_errors(folder / DUMP_JSON, calls, device=device, precision=policy)
         except OSError as exc:
             raise DumpError(
                 f"{own_errors_path(folder / DUMP_JSON)}: cannot write ({exc.strerror or exc})"

@@ -6,8 +6,15 @@ own inputs (one :class:`OwnError` per output tensor, ``null`` where nothing is j
 None), or why the call was not replayed::
 
     {"format": "pytest-msprobe self-check", "version": 1, "device": "cuda", "source": "online",
-     "calls": {"Functional.relu.2.forward": {"outputs": [{"dtype": "float32", "rel_share": 0.0, ...}]},
+     "precision": {"device": "cuda", "conv": "tf32", "matmul": "float32", "autocast": null, ...},
+     "calls": {"Functional.conv2d.0.forward": {"outputs": [{"dtype": "float32", ...}], "emulated": "tf32"},
+               "Functional.relu.2.forward": {"outputs": [{"dtype": "float32", "rel_share": 0.0, ...}]},
                "Functional.dropout.0.forward": {"skipped": "a random op: ..."}}}
+
+``precision`` is the numerics policy the calls were judged by (:class:`~pytest_msprobe.format.precision.Policy`,
+``null`` where none was known), and a call's ``emulated`` the reduced format (or autocast dtype) its replay
+computed its convolutions' and matrix products' operands in, as the device declares it does; a call without it
+was replayed in float64 from its inputs as they are.
 
 ``pytest-msprobe replay`` writes the same per-call form into its ``replay.json``.
 """
@@ -72,6 +79,7 @@ class CallOwn:
 
     outputs: tuple[OwnError | None, ...] = ()
     skipped: str = ""
+    emulated: str = ""  # the format its replay rounded its kernels' operands to ("tf32"), "" for none
 
     @property
     def out_of_line(self) -> bool:
@@ -80,7 +88,10 @@ class CallOwn:
     def to_dict(self) -> dict[str, Any]:
         if self.skipped:
             return {"skipped": self.skipped}
-        return {"outputs": [o.to_dict() if o is not None else None for o in self.outputs]}
+        doc: dict[str, Any] = {"outputs": [o.to_dict() if o is not None else None for o in self.outputs]}
+        if self.emulated:
+            doc["emulated"] = self.emulated
+        return doc
 
 
 def own_errors_path(dump_json: str | Path) -> Path:
@@ -89,15 +100,21 @@ def own_errors_path(dump_json: str | Path) -> Path:
 
 
 def write_own_errors(
-    dump_json: str | Path, calls: Mapping[str, CallOwn], device: str = "", source: str = "online"
+    dump_json: str | Path,
+    calls: Mapping[str, CallOwn],
+    device: str = "",
+    source: str = "online",
+    precision: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write the sidecar of ``dump_json`` atomically (the old file, the whole new one, or none)."""
+    """Write the sidecar of ``dump_json`` atomically (the old file, the whole new one, or none);
+    ``precision``: the policy the calls were judged by (``Policy.to_dict()``)."""
     path = own_errors_path(dump_json)
     doc = {
         "format": FORMAT,
         "version": VERSION,
         "device": device,
         "source": source,
+        "precision": dict(precision) if precision is not None else None,
         "calls": {name: call.to_dict() for name, call in calls.items()},
     }
     write_text(path, json.dumps(doc, indent=1, allow_nan=True))
@@ -130,7 +147,11 @@ def parse_call(path: Path, name: str, entry: Any) -> CallOwn:
     outputs = entry.get("outputs")
     if not isinstance(outputs, list):
         raise DumpFormatError(path, f"calls.{name}: no 'outputs' list")
-    return CallOwn(tuple(_own_error(path, f"calls.{name}.outputs[{k}]", o) for k, o in enumerate(outputs)))
+    emulated = entry.get("emulated") or ""
+    if not isinstance(emulated, str):
+        raise DumpFormatError(path, f"calls.{name}.emulated: {emulated!r} is not a format name")
+    own = tuple(_own_error(path, f"calls.{name}.outputs[{k}]", o) for k, o in enumerate(outputs))
+    return CallOwn(own, emulated=emulated)
 
 
 def _own_error(path: Path, where: str, doc: Any) -> OwnError | None:

@@ -1,6 +1,9 @@
 """Backward replay: a call's forward replayed in float64 with gradients on, its autograd node given the dumped
 incoming gradients, and the gradients it gives back judged against the dumped outgoing ones.
 
+Under an emulated precision (:mod:`.emulate`) the node is called inside the same emulation as the forward replay:
+its backward kernels read the incoming gradient and the saved operands rounded, as the device's do.
+
 The dump's ``backward.input`` is what flowed into the node of the call's output and ``backward.output`` what
 that node gave back (its ``grad_inputs``, ``null`` where undefined), so the replay calls the same node of its
 own float64 forward: the comparison holds whatever the node's inputs are (``linear`` gives the bias's gradient
@@ -9,13 +12,16 @@ first, as ``addmm`` does). Calls whose outputs have several nodes, or none of th
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.precision import Policy
 from pytest_msprobe.replay.apis import Target, resolve
+from pytest_msprobe.replay.emulate import Emulator, autocast_of, emulation_for, emulator
 from pytest_msprobe.replay.standard import OwnError, judge_output, sum_floor
 from pytest_msprobe.replay.values import (
     Unreplayable,
@@ -31,12 +37,17 @@ OwnErrors = tuple[OwnError | None, ...]
 
 
 def replay_backward(
-    name: str, forward: dict[str, Any], backward: dict[str, Any], tensor_dir: Path
-) -> tuple[OwnErrors, str]:
-    """The own errors of one call's outgoing gradients, or ``((), reason)`` when it cannot be replayed."""
+    name: str,
+    forward: dict[str, Any],
+    backward: dict[str, Any],
+    tensor_dir: Path,
+    policy: Policy | None = None,
+) -> tuple[OwnErrors, str, str]:
+    """The own errors of one call's outgoing gradients, or ``((), reason)`` when it cannot be replayed, and
+    the format its device's declared ``policy`` was emulated in (``""`` for none; see :mod:`.emulate`)."""
     target = resolve(name)
     if target.fn is None:
-        return (), target.reason
+        return (), target.reason, ""
 
     try:
         args, kwargs = rebuild_inputs(forward, lambda node: as_leaf(node, load_tensor(node, tensor_dir)))
@@ -46,46 +57,57 @@ def replay_backward(
         recorded = flat(backward.get("output", []))
         dumped = [load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in recorded]
     except (Unreplayable, DumpFormatError) as exc:
-        return (), str(exc)
+        return (), str(exc), ""
     except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record
-        return (), raised("rebuilding its inputs", exc)
-    out, why = run_call(target, args, kwargs, grad=True)
+        return (), raised("rebuilding its inputs", exc), ""
+    emulating = emulator(emulation_for(policy, autocast_of(forward), forward))
+    out, why = run_call(target, args, kwargs, True, emulating)
     if why:
-        return (), why
-    return judge_backward(out, incoming, recorded, dumped)
+        return (), why, ""
+    own, why = judge_backward(out, incoming, recorded, dumped, emulating)
+    return own, why, emulating.label if emulating is not None and not why else ""
 
 
-def run_call(target: Target, args: list[Any], kwargs: dict[str, Any], grad: bool) -> tuple[Any, str]:
+def run_call(
+    target: Target, args: list[Any], kwargs: dict[str, Any], grad: bool, emulating: Emulator | None = None
+) -> tuple[Any, str]:
     """Replay a call from its rebuilt arguments: ``(outputs, "")``, or ``(None, reason)`` when it raised.
 
     ``grad``: with gradients on, so that the backward replay can call the node of its output (an in-place
     call then changes a copy of its tensor: a leaf that needs a gradient cannot be changed in place).
+    ``emulating``: the device's declared precision, emulated (:mod:`.emulate`).
     """
     assert target.fn is not None
     if grad and target.inplace and args and isinstance(args[0], torch.Tensor):
         args[0] = args[0].clone()
     try:
-        with torch.enable_grad() if grad else torch.no_grad():
+        with torch.enable_grad() if grad else torch.no_grad(), emulating or nullcontext():
             return target.fn(*args, **kwargs), ""
     except Exception as exc:  # a call its own recorded inputs do not rebuild: say so, do not guess
         return None, raised("the replay", exc)
 
 
 def judge_backward(
-    out: Any, incoming: list[Any], recorded: list[Any], dumped: list[Any]
+    out: Any,
+    incoming: list[Any],
+    recorded: list[Any],
+    dumped: list[Any],
+    emulating: Emulator | None = None,
 ) -> tuple[OwnErrors, str]:
     """The own errors of a call's outgoing gradients: the node of its replayed ``out`` (run with gradients on)
     given the ``incoming`` gradients (float64), against the ``dumped`` outgoing ones (``recorded``: their
     nodes, for the dtypes); ``((), reason)`` when they cannot be judged."""
-    given, why = node_gradients(out, incoming, len(dumped))
+    given, why = node_gradients(out, incoming, len(dumped), emulating)
     if why:
         return (), why
     return judge_gradients(incoming, recorded, dumped, given), ""
 
 
-def node_gradients(out: Any, incoming: list[Any], expected: int) -> tuple[list[Any], str]:
+def node_gradients(
+    out: Any, incoming: list[Any], expected: int, emulating: Emulator | None = None
+) -> tuple[list[Any], str]:
     """The gradients the node of the replayed ``out`` gives back for the ``incoming`` ones (``expected`` of
-    them, as the dump has), or ``([], reason)``."""
+    them, as the dump has), or ``([], reason)``; inside ``emulating`` where the forward ran in it."""
     outputs = [t for t in flat(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     nodes = {id(t.grad_fn): t.grad_fn for t in outputs}
     if len(nodes) != 1:
@@ -94,7 +116,8 @@ def node_gradients(out: Any, incoming: list[Any], expected: int) -> tuple[list[A
     if len(incoming) != len(outputs) or any(g is None for g in incoming):
         return [], f"{len(incoming)} incoming gradient(s) recorded for {len(outputs)} output(s)"
     try:
-        given = node(*incoming)
+        with emulating or nullcontext():
+            given = node(*incoming)
     except Exception as exc:
         return [], raised("the replay's backward", exc)
     given = list(given) if isinstance(given, tuple) else [given]

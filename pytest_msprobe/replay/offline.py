@@ -4,6 +4,11 @@ replay (:func:`replay_dump`).
 
 A call that cannot be replayed (no tensor files, a random op, a collective, an unknown API or argument) is
 listed with the reason, never guessed.
+
+The replay emulates the precision the dump's device declares (:mod:`.emulate`), as the self-check did while the
+steps ran: the policy of its ``checklist.json`` (its ``"precision"``, else the one its recorded switches give on
+its device), and autocast where a call's dtypes show it (float32 inputs, a half-type output). A dump without a
+checklist (msprobe's own) is replayed as float32.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.checklist import read_checklist
 from pytest_msprobe.format.files import read_json, write_text
 from pytest_msprobe.format.layout import TENSOR_DIR, discover
 from pytest_msprobe.format.names import BACKWARD, FORWARD, parse_name
+from pytest_msprobe.format.precision import Policy
 from pytest_msprobe.replay.apis import resolve
 from pytest_msprobe.replay.backward import replay_backward, run_call
+from pytest_msprobe.replay.emulate import autocast_of, emulation_for, emulator, policy_of_checklist
 from pytest_msprobe.replay.standard import OwnError, judge_output
 from pytest_msprobe.replay.values import (
     Unreplayable,
@@ -42,6 +50,7 @@ class CallReplay:
     rank: int | None
     outputs: tuple[OwnError | None, ...] = ()  # per output tensor (None: not a floating tensor)
     skipped: str = ""  # why it was not replayed
+    emulated: str = ""  # the format its device's declared precision was emulated in ("tf32"), "" for none
 
     @property
     def out_of_line(self) -> bool:
@@ -49,9 +58,19 @@ class CallReplay:
 
 
 @dataclass(frozen=True)
+class Declared:
+    """The precision one dump.json's device declares (its checklist's), which its calls were replayed by."""
+
+    step: int | None
+    rank: int | None
+    policy: Policy | None
+
+
+@dataclass(frozen=True)
 class ReplayResult:
     dump: str
     calls: tuple[CallReplay, ...] = field(default_factory=tuple)
+    precision: tuple[Declared, ...] = ()
 
     @property
     def out_of_line(self) -> list[CallReplay]:
@@ -63,12 +82,17 @@ class ReplayResult:
             "replayed": sum(1 for c in self.calls if not c.skipped),
             "skipped": sum(1 for c in self.calls if c.skipped),
             "out_of_line": [{"name": c.name, "step": c.step, "rank": c.rank} for c in self.out_of_line],
+            "precision": [
+                {"step": d.step, "rank": d.rank, "policy": d.policy.to_dict() if d.policy else None}
+                for d in self.precision
+            ],
             "calls": [
                 {
                     "name": c.name,
                     "step": c.step,
                     "rank": c.rank,
                     "skipped": c.skipped or None,
+                    "emulated": c.emulated or None,
                     "outputs": [o.to_dict() if o is not None else None for o in c.outputs],
                 }
                 for c in self.calls
@@ -77,25 +101,28 @@ class ReplayResult:
 
 
 def replay_call(
-    name: str, entry: dict[str, Any], tensor_dir: Path
-) -> tuple[tuple[OwnError | None, ...], str]:
-    """The own errors of one forward call's outputs, or ``((), reason)`` when it cannot be replayed."""
+    name: str, entry: dict[str, Any], tensor_dir: Path, policy: Policy | None = None
+) -> tuple[tuple[OwnError | None, ...], str, str]:
+    """The own errors of one forward call's outputs, or ``((), reason)`` when it cannot be replayed, and the
+    format its device's declared ``policy`` was emulated in (``""`` for none; see :mod:`.emulate`)."""
     target = resolve(name)
     if target.fn is None:
-        return (), target.reason
+        return (), target.reason, ""
     try:
         load = lambda node: load_tensor(node, tensor_dir)  # noqa: E731
         args, kwargs = rebuild_inputs(entry, load)
         recorded = flat(entry.get("output", []))
         expected = [load(node) if is_tensor_node(node) else None for node in recorded]
     except (Unreplayable, DumpFormatError) as exc:
-        return (), str(exc)
+        return (), str(exc), ""
     except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record
-        return (), raised("rebuilding its inputs", exc)
-    out, why = run_call(target, args, kwargs, grad=False)
+        return (), raised("rebuilding its inputs", exc), ""
+    emulating = emulator(emulation_for(policy, autocast_of(entry), entry))
+    out, why = run_call(target, args, kwargs, False, emulating)
     if why:
-        return (), why
-    return judge_forward(out, recorded, expected)
+        return (), why, ""
+    outputs, why = judge_forward(out, recorded, expected)
+    return outputs, why, emulating.label if emulating is not None and not why else ""
 
 
 def judge_forward(
@@ -112,12 +139,15 @@ def judge_forward(
 def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:
     """Replay every API call of a dump, forward and backward (a dump root, step or rank folder, or a dump.json)."""
     calls: list[CallReplay] = []
+    declared: list[Declared] = []
     for location in discover(Path(path)):
         doc = read_json(location.path)
         data = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(data, dict):
             raise DumpFormatError(location.path, "no 'data' object: not a msprobe dump.json")
         tensor_dir = location.path.parent / TENSOR_DIR
+        policy = policy_of_checklist(read_checklist(location.path.parent))
+        declared.append(Declared(location.step, location.rank, policy))
         for name, entry in data.items():
             parts = parse_name(name)
             if parts.direction not in (FORWARD, BACKWARD) or name.startswith("Module."):
@@ -128,11 +158,11 @@ def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:
                 calls.append(CallReplay(name, location.step, location.rank, skipped=why))
                 continue
             if parts.direction == FORWARD:
-                outputs, why = replay_call(name, entry, tensor_dir)
+                outputs, why, emulated = replay_call(name, entry, tensor_dir, policy)
             else:
-                outputs, why = replay_backward(name, forward, entry, tensor_dir)
-            calls.append(CallReplay(name, location.step, location.rank, outputs, why))
-    return ReplayResult(os.fspath(path), tuple(calls))
+                outputs, why, emulated = replay_backward(name, forward, entry, tensor_dir, policy)
+            calls.append(CallReplay(name, location.step, location.rank, outputs, why, emulated))
+    return ReplayResult(os.fspath(path), tuple(calls), tuple(declared))
 
 
 def write_replay(result: ReplayResult, out_dir: str | os.PathLike[str]) -> Path:

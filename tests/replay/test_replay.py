@@ -153,9 +153,9 @@ def test_a_call_its_inputs_do_not_rebuild_is_listed_with_the_reason(tmp_path: Pa
     from pytest_msprobe.replay.offline import replay_call
 
     entry = {"input_args": [{"type": "int", "value": 1}], "input_kwargs": {}, "output": []}
-    outputs, why = replay_call("Torch.matmul.0.forward", entry, tmp_path)
+    outputs, why, _ = replay_call("Torch.matmul.0.forward", entry, tmp_path)
     assert outputs == () and why.startswith("the replay raised TypeError: ")
-    outputs, why = replay_call("Torch.no_such_api.0.forward", entry, tmp_path)
+    outputs, why, _ = replay_call("Torch.no_such_api.0.forward", entry, tmp_path)
     assert outputs == () and why == "Torch.no_such_api is not an API this torch has"
     assert replay_call("Distributed.all_reduce.0.forward", entry, tmp_path)[1].startswith("a collective")
 
