@@ -50,10 +50,20 @@ F32 = "torch.float32"
 
 
 def round_mantissa(tensor: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``tensor`` (float32) rounded to the mantissa of ``fmt`` (to nearest, ties to even), in float32; a tensor
-    of another dtype, or a format of full float32 precision, is returned as it is. Infinities and NaN stay."""
+    """``tensor`` rounded to the mantissa of ``fmt`` (to nearest, ties to even), in its own dtype: float32
+    through its bits, float64 (a replay's values) by Veltkamp's splitting, which gives the same values for
+    values a float32 holds. A tensor of another dtype, or a format of full float32 precision, is returned as it
+    is; infinities and NaN stay."""
     bits = MANTISSA_BITS.get(fmt, 23)
-    if fmt == FLOAT32 or bits >= 23 or tensor.dtype != torch.float32:
+    if fmt == FLOAT32 or bits >= 23:
+        return tensor
+    if tensor.dtype == torch.float64:
+        # c - (c - x) with c = x (2^s + 1) keeps 53 - s significant bits of x, rounded to nearest even: three
+        # passes over the tensor where the bits take ten; an infinite x gives NaN there, put back below
+        scaled = tensor * float(2 ** (52 - bits) + 1)
+        out = scaled - (scaled - tensor)
+        return torch.where(torch.isnan(out), tensor, out)
+    if tensor.dtype != torch.float32:
         return tensor
     drop = 23 - bits
     raw = tensor.detach().contiguous().view(torch.int32)
@@ -216,13 +226,12 @@ def _conv_backward() -> Any:
 
 def _rounded(t: torch.Tensor, fmt: str, cast: bool) -> torch.Tensor:
     """A replay's operand (float64) as the device's kernel reads it: cast to the autocast dtype, or rounded to
-    the format's mantissa from float32 (an operand the device holds in float32 first, as the replay's
-    intermediate values are)."""
+    the format's mantissa."""
     if not t.is_floating_point():
         return t
     if cast:
         return t.to(_CASTS[fmt]).to(t.dtype)
-    return round_mantissa(t.to(torch.float32), fmt).to(t.dtype)
+    return round_mantissa(t, fmt)
 
 
 def emulator(emulation: Emulation | None) -> Emulator | None:

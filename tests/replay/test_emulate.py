@@ -50,6 +50,21 @@ def test_tf32_keeps_ten_bits_and_hf32_eleven() -> None:
     assert round_mantissa(special, TF32).isnan().tolist() == [False, False, True]
 
 
+@pytest.mark.parametrize("fmt", [TF32, HF32, BFLOAT16])
+def test_a_float64_tensor_of_float32_values_rounds_as_the_float32_one(fmt: str) -> None:
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(100000, generator=g) * torch.exp(8 * torch.randn(100000, generator=g))).float()
+    drop = 23 - {TF32: 10, HF32: 11, BFLOAT16: 7}[fmt]
+    raw = x.view(torch.int32)
+    ties = ((raw & ~((1 << drop) - 1)) | (1 << (drop - 1))).view(torch.float32)  # exactly halfway
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0])
+    for values in (x, ties, special):
+        got = round_mantissa(values.double(), fmt)
+        assert got.dtype == F64
+        assert torch.equal(got.nan_to_num(), round_mantissa(values, fmt).double().nan_to_num())
+        assert torch.equal(got.isnan(), values.isnan())
+
+
 def test_a_linear_s_product_is_rounded_and_its_bias_added_as_it_is() -> None:
     x, w, b = _tensors(0, (4, 8), (3, 8), (3,))
     with Emulator(Emulation(TF32, TF32)) as emulating:
