@@ -396,7 +396,15 @@ def _run_replay(args: argparse.Namespace) -> int:
     path = write_replay(result, args.output_path)
     bad = result.out_of_line
     if not args.quiet:
-        print(f"msprobe replay: {replayed} of {len(result.calls)} calls replayed in float64, "
+        emulated = sorted({c.emulated for c in result.calls if c.emulated})
+        declared = sum(1 for c in result.calls if c.emulated)
+        # the calls whose kernels' operands were rounded (cast) as their device declares it computes them
+        as_declared = (
+            f" ({declared} with {' and '.join(emulated)} operands, as the device declares)"
+            if declared
+            else ""
+        )
+        print(f"msprobe replay: {replayed} of {len(result.calls)} calls replayed in float64{as_declared}, "
               f"{len(bad)} out of line; {path}")  # fmt: skip
         for call in bad[:10]:
             why = "; ".join(o.reason for o in call.outputs if o is not None and o.out_of_line)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pytest_msprobe import PrecisionDebugger, seed_all
+from pytest_msprobe.cli import main
 from pytest_msprobe.compare.own import check_dump
 from pytest_msprobe.format.layout import discover
 from pytest_msprobe.format.own_errors import CallOwn, read_own_errors
 from pytest_msprobe.format.precision import kind_of
 from pytest_msprobe.replay.offline import replay_dump
-from tests.devices import Fault, simulated_tf32
+from tests.devices import Fault, Simulation, simulated_device, simulated_tf32  # noqa: F401 (a fixture)
 
 STEPS = (0, 1)
 
@@ -179,9 +181,14 @@ def test_the_same_rounding_undeclared_puts_the_convolutions_and_matmuls_out_of_l
     ],
     ids=lambda v: v.record if isinstance(v, Fault) else v,
 )
-def test_a_fault_under_tf32_is_out_of_line_at_its_call(tmp_path: Path, model: str, fault: Fault) -> None:
-    with simulated_tf32(inject=fault) as sim:
-        root = _train(tmp_path / "dump", model)
+def test_a_fault_under_tf32_is_out_of_line_at_its_call(
+    tmp_path: Path,
+    model: str,
+    fault: Fault,
+    simulated_device: Callable[..., Simulation],  # noqa: F811 (the fixture imported above)
+) -> None:
+    sim = simulated_device(inject=fault)
+    root = _train(tmp_path / "dump", model)
     assert sim.fired == [fault.record] * len(STEPS)
     assert _out_of_line(_calls(root)) == {(step, fault.record) for step in STEPS}
     result = check_dump(root)  # the gate's own-error verdicts (compare/own.py)
@@ -224,7 +231,7 @@ def _agree(root: Path) -> None:
     "case", ["tf32", "tf32-fault", "bfloat16-autocast"], ids=["tf32", "tf32-fault", "bfloat16-autocast"]
 )
 def test_the_offline_replay_of_a_tensor_dump_agrees_with_the_online_self_check(
-    tmp_path: Path, case: str
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     if case == "bfloat16-autocast":
         root = _train(tmp_path / "dump", "cnn", task="tensor", autocast=torch.bfloat16)
@@ -235,6 +242,20 @@ def test_the_offline_replay_of_a_tensor_dump_agrees_with_the_online_self_check(
     _agree(root)
     offline = replay_dump(root)
     assert any(c.emulated for c in offline.calls)
+    code = main(["replay", str(root), "-o", str(tmp_path / "out")])
+    assert code == (1 if case == "tf32-fault" else 0)
+    fmt = "bfloat16" if case == "bfloat16-autocast" else "tf32"
+    emulated = sum(1 for c in offline.calls if c.emulated)
+    assert f"calls replayed in float64 ({emulated} with {fmt} operands, as the device declares)" in (
+        capsys.readouterr().out
+    )
+    doc = json.loads((tmp_path / "out" / "replay.json").read_text())
+    assert {c["name"] for c in doc["calls"] if c["emulated"] == fmt} == {
+        c.name for c in offline.calls if c.emulated
+    }
+    assert [d["policy"]["conv"] if d["policy"] else None for d in doc["precision"]] == [
+        "float32" if case == "bfloat16-autocast" else "tf32"
+    ] * len(STEPS)
     if case != "bfloat16-autocast":
         assert [d.policy.conv if d.policy else None for d in offline.precision] == ["tf32", "tf32"]
         # the checklist declares the precision: without it, the same dump is judged as float32
