@@ -77,8 +77,9 @@ def round_mantissa(tensor: torch.Tensor, fmt: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Emulation:
-    """How a call's kernels compute: the format of convolutions' and matrix products' operands, or the autocast
-    dtype every input of those operators is cast to (``cast``, which then decides alone)."""
+    """How a call's kernels compute: the format of convolutions' and matrix products' operands, and the autocast
+    dtype every input of those operators is cast to (``cast``, which decides where autocast applies: every
+    operator but the in-place ones)."""
 
     conv: str = FLOAT32
     matmul: str = FLOAT32
@@ -122,10 +123,13 @@ def emulation_for(policy: Policy | None, autocast: str | None, entry: Mapping[st
     kernels compute in float32 as the replay assumes (no float32 input, or neither applies)."""
     if F32 not in input_dtypes(entry):
         return None  # the formats and autocast's cast apply to float32 math only
-    if autocast in _CASTS:
-        return Emulation(cast=autocast)
-    if policy is not None and (policy.conv != FLOAT32 or policy.matmul != FLOAT32):
-        return Emulation(policy.conv, policy.matmul)
+    conv, matmul = (policy.conv, policy.matmul) if policy is not None else (FLOAT32, FLOAT32)
+    if (
+        autocast in _CASTS
+    ):  # (an in-place product, which autocast leaves alone, computes in the policy's format)
+        return Emulation(conv, matmul, autocast)
+    if conv != FLOAT32 or matmul != FLOAT32:
+        return Emulation(conv, matmul)
     return None
 
 
@@ -146,7 +150,8 @@ def policy_of_checklist(checklist: Mapping[str, Any] | None) -> Policy | None:
 
 
 def _kernels() -> dict[Any, tuple[str, tuple[int, ...], tuple[int, ...]]]:
-    """aten operator -> (kind, positions of its operands, positions of what it adds after the product)."""
+    """aten operator -> (kind, positions of its operands, positions of what it adds after the product); the
+    in-place ones (which autocast does not cast) are also put in :data:`_INPLACE`."""
     aten = torch.ops.aten
     table: dict[Any, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
     for op, overload, kind, operands, added in (
@@ -168,10 +173,13 @@ def _kernels() -> dict[Any, tuple[str, tuple[int, ...], tuple[int, ...]]]:
         found = getattr(packet, overload, None) if packet is not None else None
         if found is not None:  # (an older torch without the fused attention)
             table[found] = (kind, operands, added)
+            if op.endswith("_"):
+                _INPLACE.add(found)
     return table
 
 
 _KERNELS: dict[Any, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
+_INPLACE: set[Any] = set()
 _CONV_BACKWARD_MASK = 10  # convolution_backward's output_mask: (grad_input, grad_weight, grad_bias)
 
 
@@ -200,15 +208,16 @@ class Emulator(TorchDispatchMode):
             return func(*args, **kwargs)
         kind, operands, added = spec
         emulation = self.emulation
-        fmt = emulation.cast or (emulation.conv if kind == CONV else emulation.matmul)
+        cast = emulation.cast if func not in _INPLACE else None
+        fmt = cast or (emulation.conv if kind == CONV else emulation.matmul)
         if fmt == FLOAT32:
             return func(*args, **kwargs)
         self.applied.add(fmt)
         rounded = list(args)
-        for i in (*operands, *added) if emulation.cast else operands:
+        for i in (*operands, *added) if cast else operands:
             if i < len(rounded) and isinstance(rounded[i], torch.Tensor):
-                rounded[i] = _rounded(rounded[i], fmt, emulation.cast is not None)
-        if emulation.cast or func is not _conv_backward() or not args[_CONV_BACKWARD_MASK][2]:
+                rounded[i] = _rounded(rounded[i], fmt, cast is not None)
+        if cast or func is not _conv_backward() or not args[_CONV_BACKWARD_MASK][2]:
             return func(*rounded, **kwargs)
         # a convolution's bias gradient is the sum of the incoming gradient as it came: no product reads it
         mask = list(args[_CONV_BACKWARD_MASK])

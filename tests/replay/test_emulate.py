@@ -136,6 +136,17 @@ def test_autocast_casts_every_input_of_those_kernels_the_bias_too() -> None:
     assert torch.equal(got, F.linear(*bf)) and emulating.label == BFLOAT16
 
 
+def test_autocast_leaves_an_in_place_product_to_the_policy_s_format() -> None:
+    c, a, b = _tensors(7, (4, 3), (4, 8), (8, 3))
+    with Emulator(Emulation(FLOAT32, TF32, BFLOAT16)) as emulating:
+        inplace = c.clone().addmm_(a, b)
+        product = torch.addmm(c, a, b)
+    assert torch.equal(inplace, torch.addmm(c, _r(a), _r(b)))  # TF32, the added input as it is
+    bf = [t.to(torch.bfloat16).double() for t in (c, a, b)]
+    assert torch.equal(product, torch.addmm(*bf))
+    assert emulating.label == "bfloat16+tf32"
+
+
 def _entry(inputs: list[str], outputs: list[str] | None = None) -> dict[str, Any]:
     node = lambda dtype: {"type": "torch.Tensor", "dtype": dtype}  # noqa: E731
     return {
@@ -149,7 +160,8 @@ def test_which_calls_are_emulated() -> None:
     tf32 = Policy("cuda", TF32, FLOAT32)
     f32 = _entry(["torch.float32", "torch.float32"])
     assert emulation_for(tf32, None, f32) == Emulation(TF32, FLOAT32)
-    assert emulation_for(tf32, "bfloat16", f32) == Emulation(cast="bfloat16")  # autocast decides
+    assert emulation_for(tf32, "bfloat16", f32) == Emulation(TF32, FLOAT32, "bfloat16")  # autocast decides
+    assert emulation_for(None, "float16", f32) == Emulation(cast="float16")
     assert emulation_for(Policy("cpu"), None, f32) is None  # float32 as declared
     assert emulation_for(None, None, f32) is None
     for other in ("torch.float64", "torch.bfloat16", "torch.float16"):  # the formats apply to float32 math
