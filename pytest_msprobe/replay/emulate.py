@@ -16,10 +16,11 @@ TorchDispatchMode` over the aten operators, below autograd) as the device's kern
   backward, ``convolution_backward``), never where the node only reshapes or sums them (a bias's gradient is the
   sum of the incoming gradient as it came, a view's node passes it on);
 - **autocast** (bfloat16, float16): every floating input of those operators, the added ones included, is cast
-  to the autocast dtype, as torch casts them.
+  to the autocast dtype, as torch casts them (not those of an in-place product, which autocast leaves alone).
 
 Matrix products reached through other calls (einsum, a 3-D matmul, an attention's projections) are rounded
-where they reach ``mm``/``bmm``/``addmm``, as on the device. Matrix-vector products (``mv``, ``dot``) are not:
+where they reach ``mm``/``bmm``/``addmm``, as on the device; the CPU's fused attention (what a float64 replay of
+``scaled_dot_product_attention`` runs) reads its query, key and value rounded. Matrix-vector products (``mv``, ``dot``) are not:
 no reduced-format kernel computes them. The standard the output is then judged by stays its dtype's: a call
 consistent with its declared precision is within float32's bounds against this replay, and a faulty one is not.
 """
