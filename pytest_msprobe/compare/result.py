@@ -228,6 +228,9 @@ class CompareResult:
     )
     trend: TrendResult | None = None  # the trend over many steps, where the test records one
     modules: Modules = field(default_factory=Modules)  # the model's modules the calls were made in
+    # what was set aside, neither compared nor unmatched, one line per dump pair and cause (an optimizer that
+    # records no update per parameter, gradient clipping made of other calls on each side)
+    set_aside: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:

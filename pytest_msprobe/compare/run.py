@@ -29,6 +29,7 @@ from pytest_msprobe.compare.explain import (
     explain_structural,
 )
 from pytest_msprobe.compare.modules import place_calls
+from pytest_msprobe.compare.optimizer import plan_updates
 from pytest_msprobe.compare.overflow import compare_overflow
 from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
@@ -166,12 +167,14 @@ def compare(
     stacks: dict[str, tuple[str, ...]] = {}
     pair_stacks: list[dict[str, tuple[str, ...]]] = []
     if stack:
-        for t_loc, _ in pairs:
+        for p, (t_loc, _) in enumerate(pairs):
             pair_stacks.append({name: tuple(frames) for name, frames in read_stack(t_loc.path).items()})
+            pair_stacks[-1].update(builder.extra_stacks.get(p, {}))
             for name, frames in pair_stacks[-1].items():
                 stacks.setdefault(name, frames)
     elif divergence is not None:
-        by_name = read_stack(pairs[apis[divergence.api_index].pair][0].path)
+        p = apis[divergence.api_index].pair
+        by_name = {**read_stack(pairs[p][0].path), **builder.extra_stacks.get(p, {})}
         found = by_name.get(divergence.api) or by_name.get(parse_name(divergence.api).with_direction(FORWARD))
         if found:
             stacks[divergence.api] = tuple(found)
@@ -195,6 +198,7 @@ def compare(
         checklist=checklist,
         overflow=overflow,
         modules=Modules(builder.modules, tuple(builder.module_sources)),
+        set_aside=tuple(builder.set_aside),
     )
 
 
@@ -319,8 +323,17 @@ def _compare_pair(task: PairTask) -> Builder | Unusable:
     (path, problem) of unusable input."""
     try:
         t_dump, b_dump = read_dump(task.target), read_dump(task.baseline)
+        plan = plan_updates(t_dump, b_dump)
+        if plan.target is not t_dump.entries or plan.baseline is not b_dump.entries:
+            t_dump = replace(t_dump, entries=plan.target)
+            b_dump = replace(b_dump, entries=plan.baseline)
         builder = Builder(task.thresholds, task.mode)
         builder.add(t_dump, b_dump, align(t_dump.entries, b_dump.entries, fuzzy=task.fuzzy))
+        builder.set_aside.extend(plan.set_aside)
+        if plan.stacks or plan.baseline_stacks:
+            builder.extra_stacks[0] = {**plan.baseline_stacks, **plan.stacks}
+        if plan.opaque:
+            builder.opaque.update(i for i, call in enumerate(builder.apis) if call.api in plan.opaque)
         builder.add_tensor_metrics(tensor_metrics_of(builder.tensor_files(), task.jobs))
     except DumpFormatError as exc:
         return (exc.path, exc.problem)
