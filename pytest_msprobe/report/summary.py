@@ -120,7 +120,8 @@ def trend_dict(result: CompareResult) -> dict[str, Any] | None:
 def summary_dict(result: CompareResult) -> dict[str, Any]:
     """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
     [the baseline's steps/ranks the target lacks], "coverage": {passed, max_unmatched, baseline_calls,
-    unmatched_calls, baseline_rows, unmatched_rows, share, reason, over, first_unmatched}, "ranks": [per rank:
+    unmatched_calls, baseline_rows, unmatched_rows, share, reason, over, first_unmatched}, "set_aside": [one line
+    per dump pair and cause of what was neither compared nor unmatched], "ranks": [per rank:
     rank, passed, apis, apis_error, first_error], "counts", "self_check": null | {gate, calls_checked,
     calls_not_replayed, out_of_line: [{api, step, rank, reason}]}, "checklist": null | {checked_dump_pairs,
     unchecked, passed, failures, context}, "overflow": null | {api, step, rank, where, row, output_row, values,
@@ -137,6 +138,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         "failures": failures,
         "missing": list(result.missing),
         "coverage": coverage_dict(result),
+        "set_aside": list(result.set_aside),
         "ranks": rank_summaries(result),
         "counts": result.counts(),
         "self_check": own_summary_dict(result),

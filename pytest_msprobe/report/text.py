@@ -195,6 +195,21 @@ def coverage_lines(result: CompareResult, allow: str) -> list[str]:
     return lines
 
 
+SET_ASIDE_SHOWN = 5  # set-aside lines the console and the failure message show (summary.json has them all)
+
+
+def set_aside_lines(result: CompareResult) -> list[str]:
+    """``set aside (not compared, not unmatched): step 0, rank 0: the baseline's optimizer (fused) records no
+    update per parameter: ...``: what the compare left out on purpose, one line per dump pair and cause."""
+    notes = result.set_aside
+    if not notes:
+        return []
+    lines = ["set aside (not compared, not unmatched):", *(f"  {note}" for note in notes[:SET_ASIDE_SHOWN])]
+    if len(notes) > SET_ASIDE_SHOWN:
+        lines.append(f"  ... and {len(notes) - SET_ASIDE_SHOWN} more (summary.json: set_aside)")
+    return lines
+
+
 def _steps_text(steps: list[int] | tuple[int, ...]) -> str:
     return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
 
@@ -297,6 +312,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
             lines.append(f"  {r.row:<60} {fmt_number(r.error):>9} / {fmt_number(r.allowed)}")
     for note in result.unpaired:
         lines.append(f"{'missing' if note in result.missing else 'not compared'}: {note}")
+    lines.extend(set_aside_lines(result))
     lines.extend(_reports_lines(reports))
     return "\n".join(lines)
 
@@ -346,6 +362,7 @@ def failure_message(
         if len(result.missing) > 5:
             lines.append(f"  ... and {len(result.missing) - 5} more")
     lines.extend(worst_rows_lines(result))
+    lines.extend(set_aside_lines(result))
     lines.append(f"baseline: {baseline}")
     lines.extend(_reports_lines(reports))
     lines.append(f"if the new numbers are right, regenerate the baseline: {regen_command}")
