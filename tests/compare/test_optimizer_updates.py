@@ -203,7 +203,7 @@ def test_a_fused_optimizer_without_sidecar_is_set_aside_and_said(
     """A fused optimizer records nothing decomposed: without optimizer.json the updates cannot be known; the
     other side's optimizer calls are neither compared nor unmatched, and every report says so."""
     fused = plain(runs("fused"), tmp_path / "fused")
-    result = compare(runs("single"), fused, jobs=1)
+    result = compare(runs("single"), fused, jobs=2)  # (each step's pair in a worker: the lines come back)
     assert_paired_whole(result)
     assert not updates(result)
     assert len(result.set_aside) == 2
@@ -230,7 +230,7 @@ def test_a_wrong_update_of_one_parameter_is_named_at_its_update(
     baseline = runs("single", **options)
     if baseline_kind == "derived":
         baseline = plain(baseline, tmp_path / "single")
-    result = compare(runs("foreach", fault=1e-3, **options), baseline, jobs=1)
+    result = compare(runs("foreach", fault=1e-3, **options), baseline, jobs=2)
     assert not result.passed and result.coverage.passed
     fd = result.first_divergence
     assert fd is not None
