@@ -31,6 +31,8 @@ KINDS = (CONV, MATMUL)
 CUDNN_TF32 = "torch.backends.cudnn.allow_tf32"
 CUDA_MATMUL_TF32 = "torch.backends.cuda.matmul.allow_tf32"
 MATMUL_PRECISION = "torch.set_float32_matmul_precision"
+CUDNN_CONV_PRECISION = "torch.backends.cudnn.conv.fp32_precision"  # torch >= 2.9's name of the same choice
+CUDA_MATMUL_PRECISION = "torch.backends.cuda.matmul.fp32_precision"
 NPU_CONV_HF32 = "torch_npu.npu.conv.allow_hf32"
 NPU_MATMUL_HF32 = "torch_npu.npu.matmul.allow_hf32"
 MKLDNN_CONV = "torch.backends.mkldnn.conv.fp32_precision"
@@ -114,9 +116,16 @@ def policy_from_switches(device: Any, switches: Mapping[str, Any], autocast: str
     conv_setting: tuple[str, str] | None = None
     matmul_setting: tuple[str, str] | None = None
     if kind == "cuda":
-        if get("cudnn.allow_tf32"):
+        # a legacy switch is None where torch refused to read it (set through its fp32_precision name)
+        if get("cudnn.allow_tf32") is None and get("cudnn.conv.fp32_precision") is not None:
+            if str(get("cudnn.conv.fp32_precision")).lower() == "tf32":
+                conv, conv_setting = TF32, (CUDNN_CONV_PRECISION, "tf32")
+        elif get("cudnn.allow_tf32"):
             conv, conv_setting = TF32, (CUDNN_TF32, "True")
+        legacy = get("float32_matmul_precision") is not None or get("cuda.matmul.allow_tf32") is not None
         precision = str(get("float32_matmul_precision") or "highest")
+        if not legacy and str(get("cuda.matmul.fp32_precision") or "").lower() == "tf32":
+            matmul, matmul_setting = TF32, (CUDA_MATMUL_PRECISION, "tf32")
         if get("cuda.matmul.allow_tf32"):
             matmul, matmul_setting = TF32, (CUDA_MATMUL_TF32, "True")
         if precision == "medium":
