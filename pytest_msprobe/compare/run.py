@@ -20,6 +20,7 @@ from pytest_msprobe.compare.align import align
 from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.checklist_diff import compare_checklists
 from pytest_msprobe.compare.checklist_records import from_records
+from pytest_msprobe.compare.checklist_settings import compared_calls
 from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.explain import (
     below_measure,
@@ -130,6 +131,7 @@ def compare(
         [(t_loc.path, b_loc.path, t_loc.step, t_loc.rank) for t_loc, b_loc in pairs],
         thresholds,
         breached={(api.step, api.rank) for api in apis if api.status == ERROR},
+        calls=compared_calls(apis, rows),
     )
     overflow = compare_overflow(apis, rows)
     if overflow is not None:

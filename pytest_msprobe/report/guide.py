@@ -74,10 +74,7 @@ def checklist_lines(result: CompareResult) -> list[str]:
         lines.append(
             "Context that differs (never a failure on its own; 'expected' between these two device types):"
         )
-        lines.extend(
-            f"  {d.kind} {d.name}: {d.target} vs {d.baseline}" + (" (expected)" if d.expected else "")
-            for d in checklist.context[:20]
-        )
+        lines.extend(f"  {d.context_text()}" for d in checklist.context[:20])
     if checklist.unchecked:
         lines.append("Not checked:")
         lines.extend(f"  {why}" for why in checklist.unchecked[:6])
