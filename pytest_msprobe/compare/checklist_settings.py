@@ -9,8 +9,10 @@ CUDA run's TF32 convolutions against a CPU run's float32 ones differ. A setting 
   order, of the kind it governs (convolutions, matmuls, half-type matmuls, autocast's calls, the
   nondeterministic ones; :data:`pytest_msprobe.format.precision.CALLS`) with tensors of the dtype it changes;
 - context marked ``expected`` where both runs compute a kind of call in a reduced format of their own device
-  (CUDA's TF32 against the NPU's HF32, each opted in), or where an algorithm switch (deterministic algorithms,
-  cuDNN's deterministic and benchmark) differs between two device types, whose kernels differ anyway;
+  (CUDA's TF32 against the NPU's HF32, each opted in), or where a switch of how kernels compute (deterministic
+  algorithms, cuDNN's deterministic and benchmark, cuBLAS's reduced reductions of half-type matmuls) differs
+  between two device types, whose kernels differ anyway; against a device without such a switch (a CPU) it
+  says nothing at all;
 - context marked ``changes no recorded call`` where the calls it governs do not occur in the dumps (TF32
   matmuls in a model without matmuls).
 """
@@ -148,7 +150,7 @@ def compare_settings(reads: Sequence[Read], calls: Calls | None) -> SettingsComp
             if t.state == b.state:
                 continue
             if t.aspect.algorithm and (t.switch is None or b.switch is None):
-                continue  # a kernel's algorithm on a device without the switch: it differs there anyway
+                continue  # how kernels compute, against a device without the switch: its kernels are its own
             differs = found.setdefault(
                 key, _Differs(t, b, t_policy.device, b_policy.device, t_switches, b_switches, step, rank)
             )

@@ -13,7 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeGuard
 
-from pytest_msprobe.compare.checklist import SETTING, ChecklistResult, Difference
+from pytest_msprobe.compare.checklist import SETTING as SETTING  # (for the reports)
+from pytest_msprobe.compare.checklist import ChecklistResult, Difference
 from pytest_msprobe.compare.coverage import UNMATCHED_CAUSES as UNMATCHED_CAUSES
 from pytest_msprobe.compare.coverage import Coverage as Coverage
 from pytest_msprobe.compare.coverage import PairCoverage as PairCoverage
@@ -277,7 +278,8 @@ class CompareResult:
             return True
         if fd.rule not in (ENTERS, ROUNDING) or setting.call_index is None:
             return False
-        # (a call that rounding accumulates into, found as where the error enters, is earlier all the same)
+        # (rounding is where the error enters, or grows, on a call whose own error is in line: a breach before
+        # the setting changed any call did not come from it either)
         return self.apis[fd.api_index].order < self.apis[setting.call_index].order
 
     @property

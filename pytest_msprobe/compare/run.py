@@ -174,12 +174,18 @@ def compare(
             pair_stacks[-1].update(builder.extra_stacks.get(p, {}))
             for name, frames in pair_stacks[-1].items():
                 stacks.setdefault(name, frames)
-    elif divergence is not None:
-        p = apis[divergence.api_index].pair
-        by_name = {**read_stack(pairs[p][0].path), **builder.extra_stacks.get(p, {})}
-        found = by_name.get(divergence.api) or by_name.get(parse_name(divergence.api).with_direction(FORWARD))
-        if found:
-            stacks[divergence.api] = tuple(found)
+    else:  # the stacks of the first divergence, and of the first call each differing setting changes
+        named = [(divergence.api_index, divergence.api)] if divergence is not None else []
+        named += [(d.call_index, d.call) for d in checklist.failures if d.call_index is not None and d.call]
+        read: dict[int, dict[str, list[str]]] = {}
+        for index, api in named:
+            pair = apis[index].pair
+            if pair not in read:
+                read[pair] = {**read_stack(pairs[pair][0].path), **builder.extra_stacks.get(pair, {})}
+            by_name = read[pair]
+            found = by_name.get(api) or by_name.get(parse_name(api).with_direction(FORWARD))
+            if found:
+                stacks[api] = tuple(found)
     return CompareResult(
         target=os.fspath(target),
         baseline=os.fspath(baseline),

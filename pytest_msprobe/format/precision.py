@@ -230,7 +230,6 @@ DETERMINISTIC = "torch.use_deterministic_algorithms"
 CUDNN_DETERMINISTIC = "torch.backends.cudnn.deterministic"
 CUDNN_BENCHMARK = "torch.backends.cudnn.benchmark"
 AUTOCAST_SWITCH = "torch.autocast"
-_ACCELERATORS = ("cuda", "npu")  # where the algorithm switches change a kernel's numbers
 
 
 @dataclass(frozen=True)
@@ -243,7 +242,11 @@ class Aspect:
     recorded: tuple[str, ...]  # the checklist's switches (keys of its "switches") that hold it
     names: tuple[str, ...]  # the switches that decide it, as users name them (one switch: the first)
     what: str  # what it does to the numbers, for the advice
-    algorithm: bool = False  # a kernel's algorithm: differs between device types anyway
+    # how a device's kernels compute (their algorithm, cuBLAS's sums of half products): another device type's
+    # kernels differ anyway, so it is held only between two runs whose devices both have the switch
+    algorithm: bool = False
+    devices: tuple[str, ...] = ()  # the device types its switch acts on (the formats: by the policy)
+    states: tuple[str, str] = ("on", "off")  # the states of its flag, set and not
 
 
 ASPECTS: tuple[Aspect, ...] = (
@@ -285,6 +288,9 @@ ASPECTS: tuple[Aspect, ...] = (
         ("cuda.matmul.allow_fp16_reduced_precision_reduction",),
         (FP16_REDUCTION,),
         "it lets cuBLAS sum the products of float16 matmuls in float16 rather than float32",
+        algorithm=True,
+        devices=("cuda",),
+        states=("reduced", "full"),
     ),
     Aspect(
         "bf16 reduction",
@@ -293,6 +299,9 @@ ASPECTS: tuple[Aspect, ...] = (
         ("cuda.matmul.allow_bf16_reduced_precision_reduction",),
         (BF16_REDUCTION,),
         "it lets cuBLAS sum the products of bfloat16 matmuls in bfloat16 rather than float32",
+        algorithm=True,
+        devices=("cuda",),
+        states=("reduced", "full"),
     ),
     Aspect(
         "autocast",
@@ -312,6 +321,7 @@ ASPECTS: tuple[Aspect, ...] = (
         "it chooses the kernels of convolutions and of operations with atomic adds (scatter_add, index_add, "
         "nll_loss, embedding's backward, ...): without it their sums run in another order on every run",
         algorithm=True,
+        devices=("cuda", "npu"),
     ),
     Aspect(
         "cudnn deterministic",
@@ -321,6 +331,7 @@ ASPECTS: tuple[Aspect, ...] = (
         (CUDNN_DETERMINISTIC,),
         "it chooses cuDNN's convolution algorithms: each sums in its own order",
         algorithm=True,
+        devices=("cuda",),
     ),
     Aspect(
         "cudnn benchmark",
@@ -331,6 +342,7 @@ ASPECTS: tuple[Aspect, ...] = (
         "it lets cuDNN time its convolution algorithms and take the fastest: each sums in its own order, and "
         "the choice can change from run to run",
         algorithm=True,
+        devices=("cuda",),
     ),
 )
 ASPECT_OF_SWITCH = {name: aspect for aspect in ASPECTS for name in aspect.names}
@@ -395,14 +407,10 @@ def setting_states(policy: Policy, switches: Mapping[str, Any]) -> dict[str, Set
             states[aspect.key] = SettingState(aspect, state, aspect.names[0], state)
             continue
         flag = get(aspect.recorded[0])
-        if aspect.algorithm:
-            on_device = device in _ACCELERATORS and (aspect.key == "deterministic" or device == "cuda")
-        else:  # the reduced reductions: cuBLAS's
-            on_device = device == "cuda"
-        if not on_device or flag is None:
+        if device not in aspect.devices or flag is None:
             states[aspect.key] = SettingState(aspect, "none", None, None)
             continue
-        on, off = ("on", "off") if aspect.algorithm else ("reduced", "full")
+        on, off = aspect.states
         state = on if flag else off
         states[aspect.key] = SettingState(aspect, state, aspect.names[0], str(bool(flag)), state == "reduced")
     return states

@@ -255,6 +255,9 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     item.user_properties.append(("msprobe_first_divergence", first))
     if compared is not None and compared.checklist_first is not None:
         fd = None  # the rank below is the call's; a checklist difference names its own
+        # a setting: the rank of the first call it changes
+        if compared.checklist_first.kind == "setting" and compared.several_ranks:
+            item.user_properties.append(("msprobe_first_divergence_rank", compared.checklist_first.rank))
     context = compared.checklist.context_line() if compared is not None and compared.checklist else None
     if context:  # environment and versions: shown, never a failure on their own
         item.user_properties.append((CONTEXT, context))

@@ -149,14 +149,15 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
 
 def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
     """``{kind, api, row, step, rank, reason, rule}``: ``kind`` is ``api`` for a call (then ``rule`` says which
-    rule placed it), or the checklist's kind (data, parameter, buffer, hyperparameter, structure) with its
-    ``name`` and ``where``."""
+    rule placed it), or the checklist's kind (data, parameter, buffer, hyperparameter, structure, setting) with
+    its ``name`` and ``where`` (and, for a setting, the first ``call`` it changes, at ``step`` and ``rank``)."""
     first = result.checklist_first
     if first is not None:
         return {
             "kind": first.kind,
             "name": first.name,
             "where": first.where,
+            "call": first.call or None,
             "api": None,
             "row": None,
             "step": first.step,

@@ -22,6 +22,11 @@ from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklist import CHECKLIST_JSON, read_checklist
 from pytest_msprobe.format.precision import policy_from_switches
+from pytest_msprobe.report.advisor import advisor_text
+from pytest_msprobe.report.html import html_fragment
+from pytest_msprobe.report.model import model_data
+from pytest_msprobe.report.summary import summary_dict
+from pytest_msprobe.report.text import failure_message
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CUDA_BASELINE = DATA / "resnet50-cuda-h200"
@@ -179,6 +184,21 @@ def test_a_setting_whose_calls_do_not_occur_changes_nothing(transformer: Path, t
     assert "(changes no recorded call)" in (result.checklist.context_line(limit=20) or "")
 
 
+def test_reduced_reductions_of_half_matmuls_are_held_between_two_cuda_runs(
+    dumps: Callable[..., Path], tmp_path: Path
+) -> None:
+    run = dumps("cnn-autocast", model="cnn", task="statistics", steps=2, width=8, variant=_bf16_autocast)
+    reduced = _on("cuda", cudnn__allow_tf32=False, cuda__matmul__allow_bf16_reduced_precision_reduction=True)
+    full = _on("cuda", cudnn__allow_tf32=False, cuda__matmul__allow_bf16_reduced_precision_reduction=False)
+    result = compare(_edited(run, tmp_path / "t", reduced), _edited(run, tmp_path / "b", full))
+    name = "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"
+    assert _setting(result) == (name, "Functional.linear.0.forward", 0)  # the first matmul in bfloat16
+    # against a CPU, whose matmul kernels are its own: nothing to hold
+    against_cpu = compare(_edited(run, tmp_path / "t2", reduced), run)
+    assert against_cpu.passed and against_cpu.checklist is not None
+    assert not [d for d in against_cpu.checklist.differences if d.name == name]
+
+
 def _scale_output(key: str, factor: float) -> Callable[[dict], None]:
     def change(entry: dict) -> None:
         entry["output"][0][key] *= factor
@@ -262,11 +282,8 @@ def test_config_check_places_a_setting_at_the_first_call_both_dumps_record(
         "  setting torch.backends.cudnn.allow_tf32 (target True; the baseline's cpu has none): "
         "Functional.conv2d.0.forward (step 0) is the first call it changes"
     ) in out
-    # cuBLAS's reduced reductions of half-type matmuls: a float32 model has none
-    assert (
-        "  context: switch torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction: True vs none "
-        "(cpu) (changes no recorded call)"
-    ) in out
+    # how cuBLAS sums half-type products: no setting of the CPU, whose kernels are its own
+    assert "reduced_precision_reduction" not in out
     # the checklists alone, without the calls: the setting fails, saying it was not placed
     pairs = [(target / "step0" / "rank", cnn / "step0" / "rank", 0, 0)]
     alone = compare_checklists(pairs, Thresholds())
@@ -296,3 +313,28 @@ def test_a_real_cuda_baseline_against_the_cpu_one_names_tf32_convolutions() -> N
     )
     assert result.checklist is not None
     assert (result.checklist.cross_device() or "").startswith("the baseline ran on cpu, the target on cuda")
+
+
+def test_every_report_says_the_setting(cnn: Path, tmp_path: Path) -> None:
+    result = compare(_edited(cnn, tmp_path / "cuda", CUDA_TF32_CONV), cnn, stack=False)
+    headline = (
+        "setting torch.backends.cudnn.allow_tf32 (target True; the baseline's cpu has none): "
+        "Functional.conv2d.0.forward (step 0) is the first call it changes"
+    )
+    message = failure_message(result, {}, cnn, "pytest ... --msprobe-regen-baseline")
+    assert f"first divergence: {headline}" in message
+    assert "  called from: File " in message  # the first changed call's stack, attached without stack=True
+    advisor = advisor_text(result)
+    assert "Suspect Nodes: setting torch.backends.cudnn.allow_tf32" in advisor
+    assert "Run both sides with the same setting" in advisor and "about 1e-3 relative error" in advisor
+    assert "setting torch.backends.cudnn.allow_tf32</b> (target True; the baseline&#x27;s cpu has none)" in (
+        html_fragment(result, {}, advisor)
+    )
+    first = summary_dict(result)["first_divergence"]
+    assert (first["kind"], first["name"], first["call"], first["step"]) == (
+        "setting",
+        "torch.backends.cudnn.allow_tf32",
+        "Functional.conv2d.0.forward",
+        0,
+    )
+    assert model_data(result)["checklist"] == headline
