@@ -192,8 +192,8 @@ def render(out: Path, device: str, seconds: str) -> str:
     lines += [
         f"- baseline regenerated: {regen[0][1] if regen else 'no result'}; written: {written or 'nothing'}",
         "",
-        "torch's defaults leave matmuls in float32 and let cuDNN convolutions use TF32 (see env above);",
-        '"TF32 on" turns it on for matmuls too.',
+        "The msprobe fixture computes float32 math in float32 (TF32 off) unless a test allows TF32; "
+        '"TF32 on" switches it on for matmuls and cuDNN convolutions and keeps it with --msprobe-allow-tf32.',
         "",
         "| run | baseline | verdict | calls breaching / compared | first divergence |",
         "|---|---|---|---|---|",
