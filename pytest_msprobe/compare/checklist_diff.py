@@ -238,8 +238,8 @@ def compare_checklists(
 
     ``breached``: the (step, rank) pairs whose calls breach; a buffer that differs as the next step starts is
     what those calls did (a batch norm's running statistics), already reported through them, not a drift.
-    ``calls``: the compare's calls and rows, where a differing numerics setting finds the first call it
-    changes (see :mod:`pytest_msprobe.compare.checklist_settings`).
+    ``calls``: the calls where a differing numerics setting finds the first call it changes (see
+    :mod:`pytest_msprobe.compare.checklist_settings`).
     A pair whose sides do not both have a checklist is not compared, and says why in ``unchecked`` (a plain
     msprobe dump has none); a checklist that is there but broken raises DumpFormatError naming it.
     """

@@ -41,7 +41,7 @@ from pytest_msprobe.format.precision import (
 )
 
 # a dump pair's two checklists with its step and rank
-Read = tuple[Mapping[str, Any], Mapping[str, Any], "int | None", "int | None"]
+Read = tuple[Mapping[str, Any], Mapping[str, Any], int | None, int | None]
 
 
 @dataclass(frozen=True)
@@ -135,9 +135,9 @@ class SettingsCompare:
 
 
 def compare_settings(reads: Sequence[Read], calls: Calls | None) -> SettingsCompare:
-    """The settings of the dump pairs' checklists held to each other (see the module docstring). ``calls``:
-    the compare's calls and rows, to find the first call a setting changes; without them (the checklists
-    alone) a differing setting fails without a call."""
+    """The settings of the dump pairs' checklists held to each other (see the module docstring). ``calls``
+    makes the calls in which a setting's first changed call is looked for (:func:`compared_calls`,
+    :func:`recorded_calls`); without them a differing setting fails without a call."""
     found: dict[str, _Differs] = {}
     policies: list[tuple[Policy, Policy]] = []
     for t_doc, b_doc, step, rank in reads:

@@ -199,6 +199,24 @@ def test_reduced_reductions_of_half_matmuls_are_held_between_two_cuda_runs(
     assert not [d for d in against_cpu.checklist.differences if d.name == name]
 
 
+def test_algorithm_switches_are_held_between_runs_of_one_device_type(cnn: Path, tmp_path: Path) -> None:
+    def deterministic(device: str, on: bool) -> Callable[[dict], None]:
+        return _on(device, cudnn__allow_tf32=False, deterministic_algorithms=on)
+
+    baseline = _edited(cnn, tmp_path / "b", deterministic("cuda", True))
+    result = compare(_edited(cnn, tmp_path / "t", deterministic("cuda", False)), baseline)
+    assert _setting(result) == ("torch.use_deterministic_algorithms", "Functional.conv2d.0.forward", 0)
+    # another device type's kernels are its own: expected; a CPU's kernels have no such switch
+    no_hf32 = _on("npu", npu__conv__allow_hf32=False)  # (torch_npu's default: HF32 convolutions)
+    npu = compare(_edited(cnn, tmp_path / "npu", deterministic("npu", False), no_hf32), baseline)
+    assert npu.checklist is not None and npu.checklist_first is None
+    assert "switch torch.use_deterministic_algorithms: False vs True (expected)" in [
+        d.context_text() for d in npu.checklist.context
+    ]
+    cpu = compare(_edited(cnn, tmp_path / "cpu", deterministic("cpu", False)), cnn)
+    assert cpu.passed and cpu.checklist_first is None
+
+
 def _scale_output(key: str, factor: float) -> Callable[[dict], None]:
     def change(entry: dict) -> None:
         entry["output"][0][key] *= factor
