@@ -177,7 +177,7 @@ def compare(
     else:  # the stacks of the first divergence, and of the first call each differing setting changes
         named = [(divergence.api_index, divergence.api)] if divergence is not None else []
         named += [(d.call_index, d.call) for d in checklist.failures if d.call_index is not None and d.call]
-        read: dict[int, dict[str, list[str]]] = {}
+        read: dict[int, dict[str, Sequence[str]]] = {}
         for index, api in named:
             pair = apis[index].pair
             if pair not in read:
