@@ -9,7 +9,9 @@ runs before the alignment of a dump pair and returns the entries to align:
 - each side's optimizer calls are found: from its ``optimizer.json`` (:mod:`pytest_msprobe.format.optimizer`),
   else construct.json's parent ``optimizer`` (level mix), else the stacks (torch.optim's code on them, see
   :func:`pytest_msprobe.compare.modules.optimizer_step_call`);
-- when both sides made the same calls (same names, same order) nothing changes: they pair call by call;
+- when both sides made the same calls (same names, same order) they pair call by call; where both sides have
+  a sidecar, each parameter's update from it follows the step's calls too, so that a weight the step left wrong
+  is named at its update even where no recorded call made the change (a fused kernel, a post-step hook);
 - otherwise both sides' optimizer calls make way for one entry per parameter, ``Optimizer.{parameter}.{n}.forward``,
   at the place of the optimizer's step: from the sidecar (the weight and its gradient before, the weight and its
   optimizer state after), else derived from the side's own in-place calls (the weight before, the update it
@@ -363,6 +365,20 @@ def plan_updates(target: Dump, baseline: Dump) -> UpdatePlan:
             inserts[1].setdefault(bs.position, []).extend(b_entries)
             stacks[0].update(t_stacks)
             stacks[1].update(b_stacks)
+    else:  # the same calls: they pair one by one; both sidecars' updates follow them (the step's last word)
+        counts = ({}, {})
+        for ts, bs in zip(t.steps, b.steps):
+            if ts.records is None or bs.records is None:
+                continue
+            tu, bu = t.updates(ts), b.updates(bs)
+            assert tu is not None and bu is not None  # (a sidecar's updates are always known)
+            t_keep, b_keep = _kept_rows(tu, bu, counts)
+            t_entries, t_stacks = _entries(tu, counts[0], t_keep)
+            b_entries, b_stacks = _entries(bu, counts[1], b_keep)
+            inserts[0].setdefault(_after(ts), []).extend(t_entries)
+            inserts[1].setdefault(_after(bs), []).extend(b_entries)
+            stacks[0].update(t_stacks)
+            stacks[1].update(b_stacks)
     _housekeeping(t, b, removed, notes, where)
     if not any(removed) and not any(inserts):
         return UpdatePlan(target.entries, baseline.entries, set_aside=tuple(notes))
@@ -374,6 +390,11 @@ def plan_updates(target: Dump, baseline: Dump) -> UpdatePlan:
         stacks[0],
         stacks[1],
     )
+
+
+def _after(step: _Step) -> int:
+    """Where a step's updates go when its calls stay: after its last call (at its start when it made none)."""
+    return max(step.calls) + 1 if step.calls else step.position
 
 
 def _name_both(tu: list[Update], bu: list[Update], t: _Side, b: _Side) -> None:
