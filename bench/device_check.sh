@@ -4,18 +4,23 @@
 #   1. env         the python, torch, the GPU (nvidia-smi, torch.cuda)
 #   2. cuda-tests  the tests that are skipped without CUDA (pytest -k cuda over the files that check for it)
 #   3. regen       the ResNet50 example's baseline written on the GPU: examples/resnet50/baselines/cuda
-#   4. compare     a CUDA run of the example compared with the CPU baseline shipped with it, with the default
-#                  thresholds and with TF32 on (torch.backends.cuda.matmul and cudnn allow_tf32): how many
-#                  calls breach, and where the first divergence is put
-#   5. bench       dump overhead on CUDA (bench/dump_overhead.py --device cuda) and the host synchronisations
+#   4. compare     a CUDA run of the example compared with the CPU baseline shipped with it, with the fixture's
+#                  default (float32 math in float32: TF32 off) and with TF32 on (torch.backends.cuda.matmul and
+#                  cudnn allow_tf32, kept by --msprobe-allow-tf32): how many calls breach, and where the first
+#                  divergence is put
+#   5. faults      the device against the CPU baselines with one fault of bench/faults_plugin.py each (op,
+#                  backward, optimizer): ResNet50 (its clean run is stage 4's), then examples/transformer clean
+#                  and with the same three faults; each fault's firings logged beside the compare's verdict
+#   6. bench       dump overhead on CUDA (bench/dump_overhead.py --device cuda) and the host synchronisations
 #                  per dumped step (--count-syncs: CUDA's GPU trace, see SyncCounter in the bench)
-#   6. compare     (again) a second CUDA run against the new CUDA baseline, without and with TF32: the device
+#   7. compare     (again) a second CUDA run against the new CUDA baseline, without and with TF32: the device
 #                  against itself, late as the less needed when time runs short
-#   7. breakdown   where a dumped resnet50 step's time goes on the device (bench/dump_overhead.py --breakdown)
+#   8. breakdown   where a dumped resnet50 step's time goes on the device (bench/dump_overhead.py --breakdown)
 #
 # Everything goes under one folder ($OUT when set, else ./device-check-out, or --out DIR), with summary.md
-# (the figures) and one log per stage. Each stage has its own time limit and the whole run stays under 8
-# minutes on one H200; a stage that fails or times out is reported and the next one runs.
+# (the figures, written by bench/device_check_summary.py) and one log per stage. Each stage has its own time
+# limit and the whole run stays under 8 minutes on one H200; a stage that fails or times out is reported and
+# the next one runs.
 #
 #   bash bench/device_check.sh                  # on the GPU machine
 #   bash bench/device_check.sh --dry-run        # anywhere: every stage on the CPU (--msprobe-device=cpu, small
@@ -30,7 +35,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run | --cpu) DRY=1 ;;
         --out) OUTDIR="$2"; shift ;;
-        -h | --help) sed -n '2,22p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        -h | --help) sed -n '2,27p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "device_check.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
     esac
     shift
@@ -39,7 +44,9 @@ mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 SUMMARY="$OUTDIR/summary.md"
 STAGES="$OUTDIR/stages.tsv"  # stage, status, seconds: read back into summary.md
+FAULTS="$OUTDIR/faults.tsv"  # stage, model, fault ("" for a clean run): the fault table of summary.md
 : > "$STAGES"
+: > "$FAULTS"
 START=$(date +%s)
 # the limits are sized for a GPU machine; a dry run on a small CPU gets more time (DEVICE_CHECK_LIMIT_SCALE)
 SCALE=${DEVICE_CHECK_LIMIT_SCALE:-$((DRY == 1 ? 4 : 1))}
@@ -104,7 +111,8 @@ PY="$(find_python)" || {
     exit 1
 }
 mkdir -p "$OUTDIR/plugins"  # the TF32 plugin of stage 4 (-p tf32_on) is imported from there
-export PYTHONPATH="$REPO:$OUTDIR/plugins${PYTHONPATH:+:$PYTHONPATH}"
+# bench/: the faults plugin of stage 5 (-p faults_plugin)
+export PYTHONPATH="$REPO:$REPO/bench:$OUTDIR/plugins${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 cd "$REPO" || exit 1
 
@@ -156,8 +164,8 @@ if [ -d "$BASELINE_OUT" ]; then  # a copy comes back with the outputs, to be com
 fi
 
 # -- 4. compares: against the CPU baseline and the new device one, default thresholds and TF32 on -------------
-# TF32 is switched on by a tiny plugin at configure time (nothing in the plugin switches it off again);
-# NVIDIA_TF32_OVERRIDE only ever forces it off, so it is not the way to turn it on.
+# TF32 is switched on by a tiny plugin at configure time, and --msprobe-allow-tf32 keeps it on in the test (the
+# fixture's default switches it off for the test); NVIDIA_TF32_OVERRIDE only ever forces it off.
 cat > "$OUTDIR/plugins/tf32_on.py" << 'EOF'
 """Switch TF32 on for matmuls and convolutions (torch's default leaves matmuls in full float32)."""
 
@@ -168,23 +176,52 @@ def pytest_configure(config):
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
 EOF
-compare() {  # compare NAME BASELINE [extra pytest args]
+compare() {  # compare NAME BASELINE [extra pytest args]: the ResNet50 example on the device against BASELINE
     local name="$1" baseline="$2"
     shift 2
+    model_compare "$name" 60 "$baseline" examples/resnet50 "" "$@"
+}
+# model_compare NAME LIMIT BASELINE EXAMPLE_DIR FAULT [extra pytest args]: EXAMPLE_DIR's test on the device against
+# BASELINE, with FAULT of bench/faults_plugin.py injected unless it is "" (its firings logged to NAME-fired.json)
+model_compare() {
+    local name="$1" limit="$2" baseline="$3" example="$4" fault="$5"
+    shift 5
     if [ ! -d "$baseline" ]; then
         say "$name: skipped, no baseline at $baseline"
         printf '%s\tskipped (no baseline)\t0\n' "$name" >> "$STAGES"
         return 0
     fi
+    local inject=(env)  # the fault's variables reach this stage's pytest only
+    if [ -n "$fault" ]; then
+        inject+=(INJECT_FAULT="$fault" INJECT_FAULT_LOG="$OUTDIR/$name-fired.json")
+        set -- -p faults_plugin "$@"
+    fi
     # exit 1 is the verdict (a breach), not a failure of the stage: the summary reads it from the junit xml
-    run_stage "$name" 60 "${PYTEST[@]}" "${EXAMPLE[@]}" --msprobe-baseline="$baseline" \
-        --msprobe-output="$OUTDIR/$name-output" --junitxml="$OUTDIR/$name.xml" "$@"
+    run_stage "$name" "$limit" "${inject[@]}" "${PYTEST[@]}" "$example" -q -rs --msprobe-device="$DEVICE" \
+        --msprobe-baseline="$baseline" --msprobe-output="$OUTDIR/$name-output" --junitxml="$OUTDIR/$name.xml" "$@"
 }
 CPU_BASELINE="$REPO/examples/resnet50/baselines/cpu"
 compare vs-cpu-baseline "$CPU_BASELINE"
-compare vs-cpu-baseline-tf32 "$CPU_BASELINE" -p tf32_on
+printf 'vs-cpu-baseline\tresnet50\t\n' >> "$FAULTS"  # the clean row of the fault table
+compare vs-cpu-baseline-tf32 "$CPU_BASELINE" -p tf32_on --msprobe-allow-tf32
 
-# -- 5. dump overhead and host synchronisations on the device --------------------------------------------------
+# -- 5. the device against the CPU baselines, with one injected fault each ---------------------------------------
+# (bench/faults_plugin.py: op = the call's output x (1 + 1e-3), backward = its backward's gradients x (1 + 1e-2),
+# optimizer = 1e-3 x std added to the weight after each optimizer.step(); mid-network calls and weights)
+fault_compare() {  # fault_compare NAME MODEL LIMIT BASELINE EXAMPLE_DIR FAULT ("" for a clean run)
+    printf '%s\t%s\t%s\n' "$1" "$2" "$6" >> "$FAULTS"
+    model_compare "$1" "$3" "$4" "$5" "$6"
+}
+fault_compare r50-op resnet50 60 "$CPU_BASELINE" examples/resnet50 op:Functional.conv2d.30              # layer3.1.conv3
+fault_compare r50-backward resnet50 60 "$CPU_BASELINE" examples/resnet50 backward:Functional.conv2d.32  # layer3.2.conv2
+fault_compare r50-optimizer resnet50 60 "$CPU_BASELINE" examples/resnet50 optimizer:layer3.3.conv2.weight
+TR_BASELINE="$REPO/examples/transformer/baselines/cpu"
+fault_compare tr-clean transformer 45 "$TR_BASELINE" examples/transformer ""
+fault_compare tr-op transformer 45 "$TR_BASELINE" examples/transformer op:Functional.linear.8  # block 1's v
+fault_compare tr-backward transformer 45 "$TR_BASELINE" examples/transformer backward:Functional.layer_norm.2  # block 1's ln1
+fault_compare tr-optimizer transformer 45 "$TR_BASELINE" examples/transformer optimizer:blocks.0.fc1.weight
+
+# -- 6. dump overhead and host synchronisations on the device --------------------------------------------------
 # (each loop in a process of its own; the synchronisations counted in a second, untimed loop of that process)
 if [ "$DRY" = 1 ]; then
     BENCH_SIZE=(--quick --models tiny)
@@ -196,11 +233,11 @@ run_stage bench 150 "$PY" bench/dump_overhead.py --device "$DEVICE" "${BENCH_SIZ
 run_stage bench-mix 45 "$PY" bench/dump_overhead.py --device "$DEVICE" --quick --models large --no-msprobe \
     --configs statistics_mix --count-syncs --json "$OUTDIR/bench-mix.json"
 
-# -- 6. the device against itself: the new baseline, a second run, with and without TF32 -----------------------
+# -- 7. the device against itself: the new baseline, a second run, with and without TF32 -----------------------
 compare vs-own-baseline "$BASELINE_OUT"
-compare vs-own-baseline-tf32 "$BASELINE_OUT" -p tf32_on
+compare vs-own-baseline-tf32 "$BASELINE_OUT" -p tf32_on --msprobe-allow-tf32
 
-# -- 7. where a dumped step's time goes on the device (timers, no profiler): last, the least needed -------------
+# -- 8. where a dumped step's time goes on the device (timers, no profiler): last, the least needed -------------
 if [ "$DRY" = 1 ]; then
     BREAKDOWN=(--quick --breakdown statistics_L1 tiny)
 else
@@ -210,98 +247,7 @@ run_stage breakdown 60 "$PY" bench/dump_overhead.py --device "$DEVICE" "${BREAKD
     --json "$OUTDIR/breakdown.json"
 
 # -- the summary -------------------------------------------------------------------------------------------------
-"$PY" - "$OUTDIR" "$DEVICE" "$(($(date +%s) - START))" << 'EOF' > "$SUMMARY" 2> "$OUTDIR/summary-errors.log"
-"""Reads the stages' outputs back into one markdown summary."""
-import json
-import sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-out, device, seconds = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-print(f"# device check ({device}), {seconds} s\n")
-env = out / "env.log"
-if env.exists():
-    print("```\n" + env.read_text().strip() + "\n```\n")
-print("A compare stage exits 1 when the test fails: its verdict is in the table further down.\n")
-print("| stage | status | seconds |\n|---|---|---|")
-for line in (out / "stages.tsv").read_text().splitlines():
-    name, status, secs = line.split("\t")
-    print(f"| {name} | {status} | {secs} |")
-print()
-
-
-def junit(name):
-    path = out / f"{name}.xml"
-    if not path.exists():
-        return None
-    suite = ET.parse(path).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    cases = []
-    for case in suite.iter("testcase"):
-        outcome, text = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome, text = tag, (node.get("message") or "").strip()
-        cases.append((f"{case.get('classname')}::{case.get('name')}", outcome, text))
-    return cases
-
-
-print("## Tests that need CUDA\n")
-cases = junit("cuda-tests")
-if cases is None:
-    print("no result (see cuda-tests.log)\n")
-else:
-    for name, outcome, text in cases:
-        print(f"- {outcome}: {name}" + (f" ({text[:200]})" if text else ""))
-    print()
-
-print("## ResNet50 example on the device\n")
-regen = junit("regen")
-baseline = out / "baselines"
-print(f"- baseline regenerated: {regen[0][1] if regen else 'no result'}; written: "
-      f"{', '.join(sorted(str(p.relative_to(baseline)) for p in baseline.glob('*/examples/*/*/*'))) or 'nothing'}")
-print()
-print("torch's defaults leave matmuls in float32 and let cuDNN convolutions use TF32 (see env above);")
-print("\"TF32 on\" turns it on for matmuls too.\n")
-print("| run | baseline | verdict | calls breaching / compared | first divergence |")
-print("|---|---|---|---|---|")
-for name, what in (
-    ("vs-cpu-baseline", "CPU (shipped), default thresholds"),
-    ("vs-cpu-baseline-tf32", "CPU (shipped), TF32 on"),
-    ("vs-own-baseline", "this device's, default thresholds"),
-    ("vs-own-baseline-tf32", "this device's, TF32 on"),
-):
-    cases = junit(name)
-    summaries = sorted((out / f"{name}-output").rglob("summary.json"))
-    verdict = cases[0][1] if cases else "no result"
-    breach = first = ""
-    if summaries:
-        doc = json.loads(summaries[0].read_text())
-        c = doc.get("counts") or {}
-        breach = f"{c.get('apis_error')} / {c.get('apis')} calls ({c.get('error')} / {c.get('rows')} rows)"
-        fd = doc.get("first_divergence")
-        first = "none"
-        if fd:
-            where = fd.get("api") or fd.get("name") or fd.get("kind")
-            first = f"{where} (step {fd.get('step')}): {str(fd.get('reason') or '')[:160]}"
-    elif cases and cases[0][2]:
-        first = cases[0][2][:200]
-    print(f"| {name} | {what} | {verdict} | {breach} | {first} |")
-print()
-
-print("## Dump overhead and host synchronisations\n")
-for name in ("bench", "bench-mix"):
-    log = out / f"{name}.log"
-    if not log.exists():
-        continue
-    text = log.read_text()
-    tables = text[text.find("\n|") + 1 :] if "\n|" in text else f"(no table: see {name}.log)\n"
-    print(tables.strip() + "\n")
-
-print("## Where a dumped step's time goes\n")
-log = out / "breakdown.log"
-print(log.read_text().strip() + "\n" if log.exists() else "no result (the stage did not run)\n")
-EOF
+"$PY" bench/device_check_summary.py "$OUTDIR" "$DEVICE" "$(($(date +%s) - START))" > "$SUMMARY" \
+    2> "$OUTDIR/summary-errors.log"
 say "summary: $SUMMARY"
 cat "$SUMMARY"

@@ -420,6 +420,7 @@ def _run_config_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pytest_msprobe.compare.checklist_diff import compare_checklists
+    from pytest_msprobe.compare.checklist_settings import recorded_calls
     from pytest_msprobe.compare.run import pair_locations
     from pytest_msprobe.compare.thresholds import Thresholds
     from pytest_msprobe.format.files import write_text
@@ -428,7 +429,10 @@ def _run_config_check(args: argparse.Namespace) -> int:
     pairs, unpaired, _ = pair_locations(
         discover(args.target), discover(args.baseline), args.target, args.baseline
     )
-    result = compare_checklists([(t.path, b.path, t.step, t.rank) for t, b in pairs], Thresholds())
+    # a numerics setting that differs is placed at the first call both dumps record that it changes
+    result = compare_checklists(
+        [(t.path, b.path, t.step, t.rank) for t, b in pairs], Thresholds(), calls=recorded_calls(pairs)
+    )
     if not result.checked:  # nothing compared is no pass
         why = result.unchecked[0] if result.unchecked else "no dump pair"
         raise DumpFormatError(args.baseline, f"no checklist to compare ({why})")
@@ -443,10 +447,7 @@ def _run_config_check(args: argparse.Namespace) -> int:
     if len(result.failures) > 20:
         print(f"  ... and {len(result.failures) - 20} more")
     for d in result.context:
-        print(
-            f"  context: {d.kind} {d.name}: {d.target} vs {d.baseline}"
-            + (" (expected)" if d.expected else "")
-        )
+        print(f"  context: {d.context_text()}")
     for note in (*result.unchecked, *unpaired):
         print(f"  not checked: {note}")
     if args.output_path:

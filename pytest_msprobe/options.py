@@ -198,6 +198,11 @@ REPORT_ONLY = Option(
     "failing the test; usage errors and unusable baselines still do (ini: {ini}; marker: {marker}=)",
     ini_help="true: record precision verdicts without failing the tests ({flag})",
 )
+ALLOW_TF32 = Option(
+    "allow_tf32", flag="--msprobe-allow-tf32", ini="msprobe_allow_tf32", marker="allow_tf32", default=False,
+    action="store_true", check=settings.check_flag, ini_help="true: leave TF32 and HF32 as the device has them ({flag})",
+    help="leave TF32 and HF32 as the device and the test set them, instead of float32 math in float32 (ini: {ini}; marker: {marker}=)",
+)
 # a rank process's part of its test, given by the plugin
 RANK_SPEC = Option("rank_spec", flag="--msprobe-rank-spec", help=argparse.SUPPRESS)
 THRESHOLD_OPTIONS = (
@@ -268,7 +273,7 @@ THRESHOLD_OPTIONS = (
 )
 OPTIONS: tuple[Option, ...] = (
     BASELINE, REGEN, OUTPUT, DEVICE, TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, KEEP_DUMPS, SELF_CHECK, CHECKLIST_ENV,
-    WORLD_SIZE, BACKEND, RANK_TIMEOUT, TREND_STEPS, TREND_RTOL, REPORT_ONLY, RANK_SPEC, *THRESHOLD_OPTIONS,
+    WORLD_SIZE, BACKEND, RANK_TIMEOUT, TREND_STEPS, TREND_RTOL, REPORT_ONLY, ALLOW_TF32, RANK_SPEC, *THRESHOLD_OPTIONS,
 )
 # fmt: on
 BY_NAME = {opt.name: opt for opt in OPTIONS}
@@ -467,7 +472,7 @@ def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> 
 
     ``cli`` gives command-line values by destination and ``ini`` ini values by key (see :func:`getter`).
     """
-    session = (BASELINE, REGEN, OUTPUT, DEVICE, MAX_DUMP_SIZE, KEEP_DUMPS, RANK_TIMEOUT, SELF_CHECK, REPORT_ONLY)  # fmt: skip
+    session = (BASELINE, REGEN, OUTPUT, DEVICE, MAX_DUMP_SIZE, KEEP_DUMPS, RANK_TIMEOUT, SELF_CHECK, REPORT_ONLY, ALLOW_TF32)  # fmt: skip
     get = getter(cli)
     layers = _layers(session, lambda opt: get(opt.dest), {}, getter(ini))
 
@@ -491,7 +496,7 @@ def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> 
         check_apart(output, baseline, output_from, OUTPUT.flag)
     keep_dumps, report_only = (bool(_top(opt, layers, ini_dir)) for opt in (KEEP_DUMPS, REPORT_ONLY))
     # resolved per test (a marker sits between them), checked here so that a bad value stops the run at once
-    for opt in (MAX_DUMP_SIZE, RANK_TIMEOUT, SELF_CHECK):
+    for opt in (MAX_DUMP_SIZE, RANK_TIMEOUT, SELF_CHECK, ALLOW_TF32):
         for layer in (CLI, INI):
             if opt.name in layers[layer]:
                 _read(opt, layer, layers, ini_dir)
@@ -508,13 +513,8 @@ def resolve_test(
             f"@pytest.mark.msprobe on {test}: unknown keyword(s) {', '.join(sorted(unknown))} "
             f"(known: {', '.join(sorted(MARKER_KEYS))})"
         )
-    per_test = (
-        TASK, LEVEL, STEPS, SEED, MAX_DUMP_SIZE, WORLD_SIZE, BACKEND, RANK_TIMEOUT, SELF_CHECK, CHECKLIST_ENV, REPORT_ONLY,
-    )  # fmt: skip
-    per_test_trend = (*per_test, TREND_STEPS, TREND_RTOL)
+    per_test = tuple(opt for opt in OPTIONS if opt.marker is not None and not opt.shared)
     get = getter(cli)
-    layers = _layers(
-        (*per_test_trend, *THRESHOLD_OPTIONS), lambda opt: get(opt.dest), marker, getter(ini), test
-    )
-    values = {opt.name: _top(opt, layers, ini_dir) for opt in per_test_trend}  # (each named as its setting)
+    layers = _layers((*per_test, *THRESHOLD_OPTIONS), lambda opt: get(opt.dest), marker, getter(ini), test)
+    values = {opt.name: _top(opt, layers, ini_dir) for opt in per_test}  # (each named as its setting)
     return TestSettings(thresholds=_thresholds(layers, ini_dir), **values)

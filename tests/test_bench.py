@@ -115,3 +115,82 @@ def test_device_check_script_parses() -> None:
         ["bash", "-n", str(ROOT / "bench" / "device_check.sh")], capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
+
+
+def _stage(
+    out: Path, name: str, outcome: str, summary: dict[str, object] | None, fired: object = None
+) -> None:
+    """What a compare stage of the device check leaves: its junit file, its compare's summary.json, its firings."""
+    body = {"failure": '<failure message="precision breach"/>', "passed": ""}[outcome]
+    (out / f"{name}.xml").write_text(
+        f'<testsuites><testsuite><testcase classname="t" name="test_x">{body}</testcase></testsuite></testsuites>'
+    )
+    if summary is not None:
+        compare = out / f"{name}-output" / "examples" / "m" / "t" / "test_x" / "compare"
+        compare.mkdir(parents=True)
+        (compare / "summary.json").write_text(json.dumps(summary))
+        (out / f"{name}-output" / "summary.json").write_text("{}")  # the session's: not the compare's
+    if fired is not None:
+        (out / f"{name}-fired.json").write_text(json.dumps(fired))
+
+
+def test_device_check_summary_tells_whether_each_fault_is_named_where_it_was_made(tmp_path: Path) -> None:
+    counts = {"apis_error": 12, "apis": 996, "error": 31, "rows": 3356}
+    at_op = {
+        "kind": "api",
+        "api": "Functional.linear.8.forward",
+        "step": 0,
+        "reason": "the error enters here",
+    }
+    elsewhere = {
+        "kind": "api",
+        "api": "Functional.linear.5.forward",
+        "step": 1,
+        "reason": "the error enters here",
+    }
+    weight = {"kind": "parameter", "name": "fc.weight", "where": "before step 1", "api": None, "step": 1}
+    (tmp_path / "stages.tsv").write_text("tr-clean\tok\t9\ntr-op\texit 1\t8\n")
+    (tmp_path / "faults.tsv").write_text(
+        "tr-clean\ttransformer\t\ntr-op\ttransformer\top:Functional.linear.8\n"
+        "tr-backward\ttransformer\tbackward:Functional.gelu.1\ntr-optimizer\ttransformer\toptimizer:fc.weight\n"
+        "tr-missed\ttransformer\top:Functional.linear.99\n"
+    )
+    _stage(tmp_path, "tr-clean", "passed", {"counts": {**counts, "apis_error": 0}, "first_divergence": None})
+    fired_op = [
+        {"step": 0, "at": "Functional.linear.8.forward"},
+        {"step": 1, "at": "Functional.linear.8.forward"},
+    ]
+    _stage(tmp_path, "tr-op", "failure", {"counts": counts, "first_divergence": at_op}, fired_op)
+    _stage(
+        tmp_path,
+        "tr-backward",
+        "failure",
+        {"counts": counts, "first_divergence": elsewhere},
+        [{"step": 0, "at": "Functional.gelu.1.backward"}],
+    )
+    fired_w = [{"step": 0, "at": "fc.weight (after optimizer.step())"}]
+    _stage(tmp_path, "tr-optimizer", "failure", {"counts": counts, "first_divergence": weight}, fired_w)
+    _stage(tmp_path, "tr-missed", "passed", {"counts": counts, "first_divergence": None}, [])
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "device_check_summary.py"), str(tmp_path), "cuda", "300"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    rows = {
+        line.split(" | ")[1]: line for line in run.stdout.splitlines() if line.startswith("| transformer |")
+    }
+    assert rows["tr-clean"].endswith(
+        "| none (clean) |  | passed | 0 / 996 calls (31 / 3356 rows) | none |  |"
+    )
+    assert rows["tr-op"].startswith(
+        "| transformer | tr-op | op:Functional.linear.8 | Functional.linear.8.forward, steps 0, 1 | failure | "
+        "12 / 996 calls (31 / 3356 rows) | Functional.linear.8.forward (step 0): the error enters here | yes |"
+    )
+    assert "| Functional.linear.5.forward (step 1): the error enters here | no |" in rows["tr-backward"]
+    assert "| parameter fc.weight (before step 1): " in rows["tr-optimizer"]
+    assert rows["tr-optimizer"].endswith("| yes |")
+    assert "| never fired | passed |" in rows["tr-missed"] and rows["tr-missed"].endswith("| no result |")
+    assert "| tr-op | exit 1 | 8 |" in run.stdout  # the stage table
+    assert "no result (see cuda-tests.log)" in run.stdout  # a stage that left nothing

@@ -15,20 +15,30 @@ rank R, although the all-reduce carries the error to every rank's gradients.
     python examples/ddp/train_ddp.py --world-size 2 --dump-path bad_dump --fault-rank 1
     pytest-msprobe compare bad_dump ddp_dump -o compare_result
 
+The ranks this script launches are watched as torchrun watches its own: when one fails (an exception, a crash),
+the others are stopped at once and the run ends with that rank's exit status and error, instead of leaving them
+blocked in a collective that rank will never join. ``--world-size`` larger than the number of CUDA or NPU devices
+is refused before any rank starts (one device per rank).
+
 ``train`` is importable: it runs one rank inside a process group that its caller has initialised.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -218,35 +228,139 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def launch(script: str | os.PathLike[str], args: Sequence[str], world_size: int, timeout: float = 300) -> int:
+def device_shortage(device: str, world_size: int) -> str | None:
+    """Why ``world_size`` ranks cannot run on this machine's ``device`` devices (one per rank), or None."""
+    if device == "cpu":
+        return None
+    module = getattr(torch, device, None)
+    available = module is not None and module.is_available()
+    count = int(module.device_count()) if available else 0
+    if count >= world_size:
+        return None
+    return f"needs {world_size} {device} devices (one per rank), this machine has {count}"
+
+
+class RankFailure(RuntimeError):
+    """A launched rank failed, was killed or ran out of time; the others were stopped. ``status``: what the
+    launcher exits with (the failing rank's exit status, 1 when it was killed by a signal)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+GRACE = 5.0  # seconds the other ranks get to end after SIGTERM before SIGKILL (torchrun's order, shorter)
+_POLL = 0.05
+_TAIL = 40  # lines of a rank's error output kept for the failure message
+
+
+def _relay(stream: IO[bytes], tail: deque[str]) -> None:
+    """Copy a rank's stderr to ours as it comes, keeping its last lines for the failure message."""
+    for line in iter(stream.readline, b""):
+        text = line.decode("utf-8", errors="replace")
+        tail.append(text.rstrip("\n"))
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    stream.close()
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM to every rank still running (and what it started), SIGKILL to those alive after ``grace`` s."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        running = [p for p in procs if p.poll() is None]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)  # each rank leads its own process group
+        deadline = time.monotonic() + (wait or 0)
+        while wait is not None and any(p.poll() is None for p in running) and time.monotonic() < deadline:
+            time.sleep(_POLL)
+    for proc in procs:
+        proc.wait()
+
+
+def _how(status: int) -> str:
+    if status < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-status).name}"
+    return f"exit status {status}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
+
+
+def launch(
+    script: str | os.PathLike[str],
+    args: Sequence[str],
+    world_size: int,
+    timeout: float = 300,
+    grace: float = GRACE,
+) -> int:
     """Run ``script args`` once per rank, torchrun-style (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 
-    Returns 0 when every rank succeeded, else the first failing rank's exit status.
+    Every rank is watched, as torchrun watches them: when one ends with a non-zero status or is killed, the
+    others (often blocked in a collective or the rendezvous, waiting for it) get SIGTERM, then SIGKILL after
+    ``grace`` seconds, and ``RankFailure`` is raised at once with that rank's status and the end of its error
+    output. The same happens to every rank still running after ``timeout`` seconds. Each rank's stderr is
+    passed on to ours as it comes. Returns 0 when every rank succeeded.
     """
     port = str(free_port())
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env))
-    status = 0
+    procs: list[subprocess.Popen[bytes]] = []
+    tails: list[deque[str]] = []
+    relays: list[threading.Thread] = []
+    failed: int | None = None
+    late: list[int] = []
     try:
-        for proc in procs:
-            code = proc.wait(timeout=timeout)
-            status = status or code
+        for rank in range(world_size):
+            env = dict(os.environ)
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+            # a session of its own: Ctrl-C reaches the launcher only, which stops the rank and its children
+            proc = subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            procs.append(proc)
+            assert proc.stderr is not None
+            tails.append(deque(maxlen=_TAIL))
+            relays.append(threading.Thread(target=_relay, args=(proc.stderr, tails[-1]), daemon=True))
+            relays[-1].start()
+        deadline = time.monotonic() + timeout
+        while True:
+            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            late = [r for r, p in enumerate(procs) if p.poll() is None]
+            if failed is not None or not late or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL)
     finally:
-        for proc in procs:  # one rank failed or hung: the others would wait for it forever
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return status
+        _stop(procs, grace)
+        for relay in relays:
+            relay.join(timeout=5)
+    if failed is None and not late:
+        return 0
+    if failed is not None:
+        status = procs[failed].returncode
+        stopped = f"; {_ranks(late)} stopped" if late else ""
+        head = f"rank {failed} of {world_size} failed ({_how(status)}){stopped}"
+        shown, code = [failed], status if status > 0 else 1
+    else:
+        head = f"{_ranks(late)} of {world_size} still running after {timeout:g} s: stopped"
+        shown, code = late, 1
+    lines = [head]
+    for rank in shown:
+        lines += [
+            f"rank {rank}'s error output (end):",
+            *(f"  {line}" for line in tails[rank] or ["(nothing)"]),
+        ]
+    raise RankFailure("\n".join(lines), code)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -303,10 +417,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if "RANK" in os.environ:  # under torchrun, or one of the ranks launched below
         return run_rank(args)
-    status = launch(__file__, sys.argv[1:] if argv is None else list(argv), args.world_size)
-    if status == 0 and args.dump_path:
+    shortage = device_shortage(args.device, args.world_size)
+    if shortage is not None:
+        print(f"train_ddp.py: --world-size {args.world_size} {shortage}", file=sys.stderr)
+        return 2
+    try:
+        launch(__file__, sys.argv[1:] if argv is None else list(argv), args.world_size)
+    except RankFailure as exc:
+        print(f"train_ddp.py: {exc}", file=sys.stderr)
+        return exc.status
+    if args.dump_path:
         print(f"dump written to {args.dump_path}", flush=True)
-    return status
+    return 0
 
 
 if __name__ == "__main__":

@@ -110,6 +110,10 @@ class Builder:
     # what each module path of the calls is, and which files told where the calls were made
     modules: dict[tuple[str, ...], str] = field(default_factory=dict)
     module_sources: list[str] = field(default_factory=list)
+    # what was set aside, neither compared nor unmatched (an optimizer that records no update per parameter)
+    set_aside: list[str] = field(default_factory=list)
+    # pair -> the stacks of calls that stack.json does not hold (a parameter's update: its optimizer.step())
+    extra_stacks: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)
 
     def merge(self, part: Builder) -> None:
         """Append the pairs of ``part`` (a builder of later dump pairs) to this one."""
@@ -137,6 +141,8 @@ class Builder:
         for path, about in part.modules.items():
             self.modules.setdefault(path, about)
         self.module_sources.extend(s for s in part.module_sources if s not in self.module_sources)
+        self.set_aside.extend(part.set_aside)
+        self.extra_stacks.update({p + pairs: stacks for p, stacks in part.extra_stacks.items()})
 
     def _resolve_mode(self, t: Dump, b: Dump) -> str:
         if self.requested_mode == "auto":

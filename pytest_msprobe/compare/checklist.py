@@ -7,10 +7,13 @@ msprobe's guide starts every investigation here: most precision problems are not
 - failures, named for what they are, and the first divergence when they come no later than the first breaching
   call: ``structure`` (module tree, parameter and buffer names, shapes, dtypes), ``hyperparameter`` (an
   optimizer's class or a param group's scalar, at the first step it differs), ``parameter`` and ``buffer``
-  (its values at the start of a step), ``data`` (the step's input batch);
+  (its values at the start of a step), ``data`` (the step's input batch), ``setting`` (a numerics setting the
+  two runs compute under differently: TF32, HF32, a reduced reduction, autocast, deterministic algorithms; at
+  the first call it changes, see :mod:`pytest_msprobe.compare.checklist_settings`);
 - context, never a failure on its own: ``environment`` (a variable that changes numerics), ``version``,
-  ``switch`` (torch's numeric switches, the seed, an optimizer's implementation flags); a difference expected
-  between two device types (CUDA's versions and switches against an NPU's) is marked ``expected``.
+  ``switch`` (torch's numeric switches, the seed, an optimizer's implementation flags, a setting that changes
+  no recorded call); a difference expected between two device types (CUDA's versions and switches against an
+  NPU's, TF32 against HF32) is marked ``expected``.
 
 How values are held: the batch exactly (it is read, not computed: the same data gives the same bytes on every
 device); parameters and buffers exactly at step 0 (the initial weights: same seed, same init, same bytes), and at
@@ -23,20 +26,24 @@ moves a weight far while no call is wrong). Buffers are checked at every step.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from pytest_msprobe.format.checklist import decode_number
+from pytest_msprobe.format.precision import ASPECT_OF_SWITCH, CONV, MATMUL, Policy
 
-STRUCTURE, HYPERPARAMETER, PARAMETER, BUFFER, DATA = (
+STRUCTURE, HYPERPARAMETER, PARAMETER, BUFFER, DATA, SETTING = (
     "structure",
     "hyperparameter",
     "parameter",
     "buffer",
     "data",
+    "setting",
 )
 ENVIRONMENT, VERSION, SWITCH = "environment", "version", "switch"
-FAILING_KINDS = (STRUCTURE, HYPERPARAMETER, PARAMETER, BUFFER, DATA)  # in the order they are named at a step
+# in the order they are named at a step (a setting at its first changed call, after the step's start)
+FAILING_KINDS = (STRUCTURE, HYPERPARAMETER, PARAMETER, BUFFER, DATA, SETTING)
 CONTEXT_KINDS = (ENVIRONMENT, VERSION, SWITCH)
 
 
@@ -56,13 +63,34 @@ class Difference:
     # a weight or buffer held to its tolerance at a later step: it may have drifted there by the calls of the
     # steps before, so a call wrong by its own evidence at this step comes first
     drift: bool = False
+    # a setting: the first call it changes (target name) and its index in the compare's calls, where known
+    call: str = ""
+    call_index: int | None = None
+    no_call: bool = False  # context: a setting whose calls do not occur in the dumps
+
+    @property
+    def mark(self) -> str:
+        """What a context difference is: `` (expected)`` between two device types, `` (changes no recorded
+        call)`` for a setting without calls to change; empty otherwise."""
+        if self.expected:
+            return " (expected)"
+        return " (changes no recorded call)" if self.no_call else ""
+
+    def context_text(self) -> str:
+        """``switch cudnn.allow_tf32: True vs False (expected)``."""
+        return f"{self.kind} {self.name}: {self.target} vs {self.baseline}{self.mark}"
 
     @property
     def failing(self) -> bool:
         return self.kind in FAILING_KINDS
 
     def headline(self, with_rank: bool = False) -> str:
-        """``parameter c2.weight (before step 0): its values differ ...``; ``data (step 0, rank 1): ...``."""
+        """``parameter c2.weight (before step 0): its values differ ...``; ``data (step 0, rank 1): ...``;
+        ``setting torch.backends.cudnn.allow_tf32 (target True; the baseline's cpu has none):
+        Functional.conv2d.0.forward (step 0) is the first call it changes``."""
+        if self.kind == SETTING and self.call and with_rank and self.rank is not None:
+            detail = f"{self.call} (step {self.step}, rank {self.rank}) is the first call it changes"
+            return f"{self.kind} {self.name} ({self.where}): {detail}"
         where = self.where
         if with_rank and self.rank is not None:
             where = f"{where}, rank {self.rank}" if where else f"rank {self.rank}"
@@ -91,6 +119,18 @@ class Difference:
                 "dumped, or a change made outside the dumped calls): dump the steps before it, or a trend of "
                 "every step"
             )
+        if self.kind == SETTING:
+            aspect = ASPECT_OF_SWITCH.get(self.name)
+            what = f"{self.name}: {aspect.what}" if aspect is not None else f"{self.name} changes the numbers"
+            changed = (
+                f"{self.call} and the calls of its kind after it differ by that much"
+                if self.call
+                else "the calls it governs differ by that much"
+            )
+            return (
+                f"{what}. The two runs do not compute under the same setting, so {changed}, and every call after "
+                "them reads the difference: no call is at fault"
+            )
         if self.kind == HYPERPARAMETER:
             return (
                 "the optimizer is not set as the baseline's: the runs do not train the same way (an lr "
@@ -113,6 +153,9 @@ class Difference:
             "detail": self.detail,
             "failing": self.failing,
             "expected": self.expected,
+            **(
+                {"call": self.call or None, "no_call": self.no_call} if self.kind in (SETTING, SWITCH) else {}
+            ),
         }
 
 
@@ -123,6 +166,8 @@ class ChecklistResult:
     differences: tuple[Difference, ...]
     checked: int  # dump pairs whose two checklists were compared
     unchecked: tuple[str, ...] = ()  # why a dump pair's checklists were not (a side without one)
+    # each compared dump pair's numerics policies (target, baseline): device type, formats, autocast
+    policies: tuple[tuple[Policy, Policy], ...] = ()
 
     @property
     def failures(self) -> list[Difference]:
@@ -156,12 +201,15 @@ class ChecklistResult:
         shown = self.context
         if not shown:
             return None
-        parts = [
-            f"{d.kind} {d.name}: {d.target} vs {d.baseline}" + (" (expected)" if d.expected else "")
-            for d in shown[:limit]
-        ]
+        parts = [d.context_text() for d in shown[:limit]]
         more = f"; and {len(shown) - limit} more" if len(shown) > limit else ""
         return "; ".join(parts) + more
+
+    def cross_device(self) -> str | None:
+        """Whether the two runs ran on different device types or under a different numerics policy, and why, in
+        words (``the baseline ran on cuda, the target on cpu``); None when neither is known to differ (dump
+        pairs without both checklists say nothing)."""
+        return cross_device(self.policies)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -171,7 +219,39 @@ class ChecklistResult:
             "failures": [d.to_dict() for d in self.failures],
             "drifts": [d.to_dict() for d in self.drifts],
             "context": [d.to_dict() for d in self.context],
+            "cross_device": self.cross_device(),
         }
+
+
+_CALLS_OF = {CONV: "convolutions", MATMUL: "matmuls"}
+
+
+def cross_device(policies: Iterable[tuple[Policy, Policy]]) -> str | None:
+    """``the baseline ran on cuda, the target on cpu; the target computes float32 convolutions in float32, the
+    baseline in tf32 (torch.backends.cudnn.allow_tf32 True)`` for the (target, baseline) policies of the dump
+    pairs; None when none differ (or there are none)."""
+    reasons: dict[str, None] = {}
+    for t, b in policies:
+        if t.device != b.device:
+            reasons[f"the baseline ran on {b.device}, the target on {t.device}"] = None
+        for kind, calls in _CALLS_OF.items():
+            tf, bf = t.format_of(kind), b.format_of(kind)
+            if tf != bf:
+                reasons[
+                    f"the target computes float32 {calls} in {_format_text(t, kind)}, the baseline in "
+                    f"{_format_text(b, kind)}"
+                ] = None
+        if t.autocast != b.autocast:
+            reasons[
+                f"the target runs under autocast {t.autocast or 'off'}, the baseline {b.autocast or 'off'}"
+            ] = None
+    return "; ".join(reasons) or None
+
+
+def _format_text(policy: Policy, kind: str) -> str:
+    setting = policy.setting_of(kind)
+    fmt = policy.format_of(kind)
+    return f"{fmt} ({setting[0]} {setting[1]})" if setting is not None else fmt
 
 
 def order_key(d: Difference) -> tuple[int, int, int]:

@@ -21,6 +21,7 @@ from pytest_msprobe.compare.checklist import (
     same_value,
     value_text,
 )
+from pytest_msprobe.compare.checklist_settings import Calls, compare_settings
 from pytest_msprobe.compare.checklist_values import changed_outside, data_differences, tensor_differences
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklist import read_checklist
@@ -231,11 +232,14 @@ def compare_checklists(
     pairs: Sequence[tuple[Path, Path, int | None, int | None]],
     thresholds: Thresholds,
     breached: Collection[tuple[int | None, int | None]] = (),
+    calls: Calls | None = None,
 ) -> ChecklistResult:
     """The checklist differences of the dump pairs ``(target dump.json, baseline dump.json, step, rank)``.
 
     ``breached``: the (step, rank) pairs whose calls breach; a buffer that differs as the next step starts is
     what those calls did (a batch norm's running statistics), already reported through them, not a drift.
+    ``calls``: the calls where a differing numerics setting finds the first call it changes (see
+    :mod:`pytest_msprobe.compare.checklist_settings`).
     A pair whose sides do not both have a checklist is not compared, and says why in ``unchecked`` (a plain
     msprobe dump has none); a checklist that is there but broken raises DumpFormatError naming it.
     """
@@ -300,8 +304,13 @@ def compare_checklists(
         failing.extend(data)
         if why_not:
             unchecked.append(f"{_place(step, rank)}: the input batch was not compared: {why_not}")
+    settings = compare_settings(read, calls)
+    failing.extend(settings.failing)
+    # a flag whose setting was compared by what it does on each device is said once, by that setting
+    context = [d for d in context if not (d.kind == SWITCH and d.name in settings.covered)]
+    context.extend(settings.context)
     failing.sort(key=order_key)
-    return ChecklistResult(tuple(failing) + tuple(context), len(read), tuple(unchecked))
+    return ChecklistResult(tuple(failing) + tuple(context), len(read), tuple(unchecked), settings.policies)
 
 
 def _place(step: int | None, rank: int | None) -> str:

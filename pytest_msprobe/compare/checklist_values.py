@@ -13,6 +13,7 @@ from pytest_msprobe.compare.checklist import DATA, Difference, same_value, value
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, decode_number
 from pytest_msprobe.format.files import read_json
+from pytest_msprobe.format.optimizer import read_optimizer
 
 _STATS = ("min", "max", "mean", "norm")
 
@@ -161,8 +162,10 @@ def _extremes(fp: Mapping[str, Any]) -> tuple[float, float]:
 
 
 def _recorded_outputs(dump_json: Path) -> set[tuple[float, float]]:
-    """(Min, Max) of every tensor a dump's calls give out (forward outputs, in-place updates included)."""
-    doc = read_json(dump_json if dump_json.suffix == ".json" else dump_json / "dump.json")
+    """(Min, Max) of every tensor a dump's calls give out (forward outputs, in-place updates included), and of
+    the weights its optimizer.json says each update left (a fused optimizer's, which dump.json does not hold)."""
+    dump_json = dump_json if dump_json.suffix == ".json" else dump_json / "dump.json"
+    doc = read_json(dump_json)
     found: set[tuple[float, float]] = set()
     data = doc.get("data") if isinstance(doc, dict) else None
 
@@ -183,6 +186,9 @@ def _recorded_outputs(dump_json: Path) -> set[tuple[float, float]]:
         for record in data.values():
             if isinstance(record, dict):
                 walk(record.get("output"))
+    for step in read_optimizer(dump_json) or ():
+        for record in step.records.values():
+            walk(record.get("output"))
     return found
 
 

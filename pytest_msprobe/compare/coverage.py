@@ -9,7 +9,8 @@ from pytest_msprobe.compare.thresholds import format_share
 
 # why a baseline's calls find no partner in the target, most common first
 UNMATCHED_CAUSES = (
-    "a different optimizer implementation (torch._foreach_* on CUDA, single-tensor loops on CPU)",
+    "an optimizer step made on one side only, or whose calls no optimizer.json, construct.json or stack.json "
+    "tells apart",
     "a skipped backward() or optimizer.step()",
     "another dump level (L0, L1, mix)",
     "another model or other data",

@@ -14,6 +14,7 @@ import numpy as np
 
 from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.judge import Check, amend, check_statistics
+from pytest_msprobe.compare.optimizer import PARAM_IN
 from pytest_msprobe.compare.records import OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.result import ERROR, PASS, WARNING
 from pytest_msprobe.compare.tensors import open_tensor
@@ -21,6 +22,7 @@ from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.layout import TENSOR_DIR
 from pytest_msprobe.format.names import FORWARD
+from pytest_msprobe.format.optimizer import is_update
 
 
 def explain_in_place(builder: Builder) -> None:
@@ -165,11 +167,12 @@ def explain_noise_updates(builder: Builder) -> None:
     # row that holds no tensor, is looked up, never stored)
     weights: dict[tuple[Any, Any] | None, str] = {}
     for api in builder.apis:
-        if not _in_place(api) or not api.api.startswith("Tensor."):
+        written = _written_row(api)
+        if written is None:
             continue
         drafts = builder.drafts[api.row_start : api.row_stop]
-        self_rows = [d for d in drafts if d.role != OUTPUT and d.row.endswith(".input.0")]
-        others = [d for d in drafts if d.role != OUTPUT and not d.row.endswith(".input.0")]
+        self_rows = [d for d in drafts if d.role != OUTPUT and d.row.endswith(written)]
+        others = [d for d in drafts if d.role != OUTPUT and not d.row.endswith(written)]
         if len(self_rows) != 1:
             continue
         noise = [
@@ -322,10 +325,11 @@ def explain_noise_carry(builder: Builder) -> None:
                     "measure, divided one by another): its difference is that noise's, not a precision problem"
                 )
                 d.check = amend(d.check, note, WARNING)
-            if not (_in_place(api) and api.api.startswith("Tensor.")):
+            written = _written_row(api)
+            if written is None:
                 continue
-            self_rows = [d for d in drafts if d.role != OUTPUT and d.row.endswith(".input.0")]
-            others = [d for d in drafts if d.role != OUTPUT and not d.row.endswith(".input.0")]
+            self_rows = [d for d in drafts if d.role != OUTPUT and d.row.endswith(written)]
+            others = [d for d in drafts if d.role != OUTPUT and not d.row.endswith(written)]
             weight = _records(self_rows[0]) if len(self_rows) == 1 else None
             if weight is None or weight not in carried:
                 continue
@@ -340,6 +344,15 @@ def explain_noise_carry(builder: Builder) -> None:
                 if d.check is not None and d.check.status == ERROR:
                     note = f"updates a weight that {update} moved from rounding noise at step {pair.step}"
                     d.check = amend(d.check, note, WARNING)
+
+
+def _written_row(api: Any) -> str | None:
+    """The row of the tensor an update (of both sides) writes, as it was before: ``.input.0`` of an in-place
+    tensor method (``add_``), ``.input.param`` of a parameter's update (``Optimizer.fc.weight.0.forward``, whatever
+    kernels made it: see :mod:`pytest_msprobe.compare.optimizer`); None for any other call."""
+    if is_update(api.api):
+        return PARAM_IN if not api.one_side and api.direction == FORWARD else None
+    return ".input.0" if _in_place(api) and api.api.startswith("Tensor.") else None
 
 
 def _in_place(api: Any) -> bool:

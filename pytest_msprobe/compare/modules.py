@@ -46,6 +46,7 @@ from pytest_msprobe.format.names import (
     params_grad_module,
     parse_name,
 )
+from pytest_msprobe.format.optimizer import is_update
 
 ModulePath = tuple[str, ...]
 
@@ -62,6 +63,8 @@ class ModulePlaces:
     source: str = ""
 
     def of(self, name: str) -> ModulePath:
+        if is_update(name):  # a parameter's update (optimizer.json, or made of the optimizer's calls)
+            return OPTIMIZER_MODULE
         return self.paths.get(name, UNKNOWN_MODULE)
 
 
@@ -145,6 +148,37 @@ _TOOL_FRAME = re.compile(r"/(?:msprobe/(?:core|pytorch|mindspore)|pytest_msprobe
 _MACHINERY = "torch/nn/modules/module.py"  # where a module call runs its hooks and forward
 _SEQUENTIAL = "torch/nn/modules/container.py"  # Sequential.forward: for module in self: input = module(input)
 _OPTIMIZER_CODE = "torch/optim/"
+
+
+_CLIP_CODE = "torch/nn/utils/clip_grad.py"  # clip_grad_norm_ / clip_grad_value_
+_ZERO_GRAD = "zero_grad"
+
+
+def _in_optimizer(segs: Sequence[Segment]) -> bool:
+    return any(_OPTIMIZER_CODE in f.file for seg in segs for f in seg)
+
+
+def optimizer_step_call(stack: Sequence[str]) -> bool:
+    """Whether a call with this stack (stack.json's frames) ran inside an optimizer's ``step()``: torch.optim's
+    code on its stack, outside any module call, and not in ``zero_grad`` (see :func:`gradient_housekeeping`)."""
+    segs = segments(stack)
+    if len(segs) != 1 or not _in_optimizer(segs):
+        return False
+    return not any(f.func == _ZERO_GRAD and _OPTIMIZER_CODE in f.file for f in segs[0])
+
+
+def gradient_housekeeping(stack: Sequence[str]) -> str | None:
+    """``clip_grad`` or ``zero_grad`` for a call made by gradient clipping (torch.nn.utils.clip_grad) or an
+    optimizer's ``zero_grad``, which also run over lists on CUDA and one tensor at a time on the CPU; else None."""
+    for text in stack:
+        frame = parse_frame(text)
+        if frame is None:
+            continue
+        if frame.file.endswith(_CLIP_CODE):
+            return "clip_grad"
+        if frame.func == _ZERO_GRAD and _OPTIMIZER_CODE in frame.file:
+            return "zero_grad"
+    return None
 
 
 @functools.lru_cache(maxsize=65536)
@@ -296,8 +330,7 @@ def from_stacks(names: Sequence[str], stacks: dict[str, list[str]]) -> ModulePla
         if not segs:
             continue  # no frame could be read: unknown
         if len(segs) < 2:
-            optimizer = any(_OPTIMIZER_CODE in f.file for seg in segs for f in seg)
-            outside[name] = OPTIMIZER_MODULE if optimizer else OUTSIDE_MODULES
+            outside[name] = OPTIMIZER_MODULE if _in_optimizer(segs) else OUTSIDE_MODULES
             continue
         op = parse_name(name).base
         chain: list[int] = []

@@ -126,6 +126,8 @@ class _Packed:
     noise: dict[int, dict[tuple[Any, Any], str]]
     modules: dict[tuple[str, ...], str]
     module_sources: list[str]
+    set_aside: list[str]
+    extra_stacks: dict[int, dict[str, tuple[str, ...]]]
 
 
 def _names(cls: Any) -> tuple[str, ...]:
@@ -177,6 +179,8 @@ def _pack(builder: Builder) -> _Packed:
         builder.noise,
         builder.modules,
         builder.module_sources,
+        builder.set_aside,
+        builder.extra_stacks,
     )
 
 
@@ -204,4 +208,5 @@ def _unpack(packed: _Packed) -> Builder:
     builder.feeds, builder.opaque, builder.structural = packed.feeds, packed.opaque, packed.structural
     builder.noise = packed.noise
     builder.modules, builder.module_sources = packed.modules, packed.module_sources
+    builder.set_aside, builder.extra_stacks = packed.set_aside, packed.extra_stacks
     return builder

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeGuard
 
+from pytest_msprobe.compare.checklist import SETTING as SETTING  # (for the reports)
 from pytest_msprobe.compare.checklist import ChecklistResult, Difference
 from pytest_msprobe.compare.coverage import UNMATCHED_CAUSES as UNMATCHED_CAUSES
 from pytest_msprobe.compare.coverage import Coverage as Coverage
@@ -228,6 +229,9 @@ class CompareResult:
     )
     trend: TrendResult | None = None  # the trend over many steps, where the test records one
     modules: Modules = field(default_factory=Modules)  # the model's modules the calls were made in
+    # what was set aside, neither compared nor unmatched, one line per dump pair and cause (an optimizer that
+    # records no update per parameter, gradient clipping made of other calls on each side)
+    set_aside: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -249,16 +253,34 @@ class CompareResult:
         """The checklist difference that is the first divergence: the first failing one, when it comes no
         later than the first divergence among the calls (a difference at the start of a step comes before the
         step's calls: a re-seeded weight is named, not the conv that reads it). A weight's drift at a later
-        step (:attr:`ChecklistResult.drifts`) never is."""
+        step (:attr:`ChecklistResult.drifts`) never is.
+
+        A numerics setting stands at the first call it changes: a call found by evidence of its own (an
+        overflow, an own error out of line, statistics that break a relation) comes before it, as does a call
+        where the error enters earlier in execution order (its inputs match: the setting had changed nothing
+        yet); otherwise the setting is the first divergence, however the calls' errors grow after it."""
         # a drift is never it: it says the divergence began before the compared steps, not where
         failures = self.checklist.failures if self.checklist is not None else []
-        first = failures[0] if failures else None
         fd = self.first_divergence
-        if first is None:
+        for first in failures:
+            if first.kind == SETTING:
+                if fd is not None and self._call_before_setting(fd, first):
+                    continue
+                return first
+            if fd is None or first.step is None or fd.step is None or first.step <= fd.step:
+                return first
             return None
-        if fd is None or first.step is None or fd.step is None or first.step <= fd.step:
-            return first
         return None
+
+    def _call_before_setting(self, fd: Divergence, setting: Difference) -> bool:
+        """Whether the first divergence among the calls comes before a setting's first changed call."""
+        if fd.rule in (OVERFLOW, OUT_OF_LINE, INCONSISTENT):
+            return True
+        if fd.rule not in (ENTERS, ROUNDING) or setting.call_index is None:
+            return False
+        # (rounding is where the error enters, or grows, on a call whose own error is in line: a breach before
+        # the setting changed any call did not come from it either)
+        return self.apis[fd.api_index].order < self.apis[setting.call_index].order
 
     @property
     def several_ranks(self) -> bool:
@@ -268,6 +290,8 @@ class CompareResult:
         """What the first divergence is, in a few words: ``parameter c2.weight (before step 0)``,
         ``Functional.relu.2.forward`` (empty for none): the junitxml property and the terminal summary."""
         first = self.checklist_first
+        if first is not None and first.kind == SETTING:  # (its values are in the headline)
+            return f"{first.kind} {first.name}"
         if first is not None:
             return first.headline(self.several_ranks).split(": ", 1)[0]
         return self.first_divergence.api if self.first_divergence is not None else ""

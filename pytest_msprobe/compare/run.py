@@ -20,6 +20,7 @@ from pytest_msprobe.compare.align import align
 from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.checklist_diff import compare_checklists
 from pytest_msprobe.compare.checklist_records import from_records
+from pytest_msprobe.compare.checklist_settings import compared_calls
 from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.explain import (
     below_measure,
@@ -29,6 +30,7 @@ from pytest_msprobe.compare.explain import (
     explain_structural,
 )
 from pytest_msprobe.compare.modules import place_calls
+from pytest_msprobe.compare.optimizer import plan_updates
 from pytest_msprobe.compare.overflow import compare_overflow
 from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
@@ -129,6 +131,7 @@ def compare(
         [(t_loc.path, b_loc.path, t_loc.step, t_loc.rank) for t_loc, b_loc in pairs],
         thresholds,
         breached={(api.step, api.rank) for api in apis if api.status == ERROR},
+        calls=compared_calls(apis, rows),
     )
     overflow = compare_overflow(apis, rows)
     if overflow is not None:
@@ -166,15 +169,23 @@ def compare(
     stacks: dict[str, tuple[str, ...]] = {}
     pair_stacks: list[dict[str, tuple[str, ...]]] = []
     if stack:
-        for t_loc, _ in pairs:
+        for p, (t_loc, _) in enumerate(pairs):
             pair_stacks.append({name: tuple(frames) for name, frames in read_stack(t_loc.path).items()})
+            pair_stacks[-1].update(builder.extra_stacks.get(p, {}))
             for name, frames in pair_stacks[-1].items():
                 stacks.setdefault(name, frames)
-    elif divergence is not None:
-        by_name = read_stack(pairs[apis[divergence.api_index].pair][0].path)
-        found = by_name.get(divergence.api) or by_name.get(parse_name(divergence.api).with_direction(FORWARD))
-        if found:
-            stacks[divergence.api] = tuple(found)
+    else:  # the stacks of the first divergence, and of the first call each differing setting changes
+        named = [(divergence.api_index, divergence.api)] if divergence is not None else []
+        named += [(d.call_index, d.call) for d in checklist.failures if d.call_index is not None and d.call]
+        read: dict[int, dict[str, Sequence[str]]] = {}
+        for index, api in named:
+            pair = apis[index].pair
+            if pair not in read:
+                read[pair] = {**read_stack(pairs[pair][0].path), **builder.extra_stacks.get(pair, {})}
+            by_name = read[pair]
+            found = by_name.get(api) or by_name.get(parse_name(api).with_direction(FORWARD))
+            if found:
+                stacks[api] = tuple(found)
     return CompareResult(
         target=os.fspath(target),
         baseline=os.fspath(baseline),
@@ -195,6 +206,7 @@ def compare(
         checklist=checklist,
         overflow=overflow,
         modules=Modules(builder.modules, tuple(builder.module_sources)),
+        set_aside=tuple(builder.set_aside),
     )
 
 
@@ -319,8 +331,17 @@ def _compare_pair(task: PairTask) -> Builder | Unusable:
     (path, problem) of unusable input."""
     try:
         t_dump, b_dump = read_dump(task.target), read_dump(task.baseline)
+        plan = plan_updates(t_dump, b_dump)
+        if plan.target is not t_dump.entries or plan.baseline is not b_dump.entries:
+            t_dump = replace(t_dump, entries=plan.target)
+            b_dump = replace(b_dump, entries=plan.baseline)
         builder = Builder(task.thresholds, task.mode)
         builder.add(t_dump, b_dump, align(t_dump.entries, b_dump.entries, fuzzy=task.fuzzy))
+        builder.set_aside.extend(plan.set_aside)
+        if plan.stacks or plan.baseline_stacks:
+            builder.extra_stacks[0] = {**plan.baseline_stacks, **plan.stacks}
+        if plan.opaque:
+            builder.opaque.update(i for i, call in enumerate(builder.apis) if call.api in plan.opaque)
         builder.add_tensor_metrics(tensor_metrics_of(builder.tensor_files(), task.jobs))
     except DumpFormatError as exc:
         return (exc.path, exc.problem)

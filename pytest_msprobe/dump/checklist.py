@@ -10,7 +10,10 @@ msprobe files (:mod:`pytest_msprobe.format.checklist`):
 - the step's input batch: the tensors given to the model's forward (its first call in the step), or, without a
   model, to the first recorded API call;
 - every optimizer that holds the model's parameters, with each param group's scalars, as its first
-  ``step()`` of the step saw them (an lr scheduler's value of that step).
+  ``step()`` of the step saw them (an lr scheduler's value of that step);
+- the run's numerics policy (``precision``, see :mod:`pytest_msprobe.format.precision`): the format its device
+  computes float32 convolutions and matmuls in, by the switches above, and the autocast dtype in force where
+  the step's batch is taken (the model's forward, or the first recorded call).
 
 The costs are a CRC32 and four statistics of each parameter and buffer per dumped step (and a host copy on an
 accelerator; ``bench/checklist_cost.py``), nothing per API call.
@@ -31,6 +34,7 @@ from pytest_msprobe.dump import determinism, precision
 from pytest_msprobe.dump.stats import crc32_hex as tensor_crc32
 from pytest_msprobe.dump.threads import untracked
 from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, TAKEN_AT_START, encode_number
+from pytest_msprobe.format.precision import Policy, policy_from_switches
 
 # the environment variables that change the numbers of a run (documented in the README); a user adds more with
 # the ini key msprobe_checklist_env
@@ -286,6 +290,7 @@ class StepChecklist:
         self.doc: dict[str, Any] = {}
         self.data: dict[str, Any] | None = None
         self.optimizers: list[dict[str, Any]] = []
+        self.policy: Policy | None = None  # with the autocast dtype where the batch was taken
         self._seen: set[int] = set()
         self._param_ids: frozenset[int] = frozenset()
         self._handles: list[Any] = []
@@ -332,11 +337,19 @@ class StepChecklist:
             first = next(iter(_tensors(tuple(args), "args")), None)
             tensors = {first[0]: fingerprint(first[1])} if first is not None else {}
             self.data = {"source": f"the first recorded call, {api}", "tensors": tensors}
+            self._take_policy()
 
     def _forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.data is None and threading.get_ident() == self._owner:
             self.data = self._batch("the model's forward", args, kwargs)
+            self._take_policy()
         return None
+
+    def _take_policy(self) -> None:
+        """The policy where the step's model forward starts: autocast is a context around the forward, off
+        again by the time the step's files are written."""
+        if self.policy is None:
+            self.policy = untracked(precision.current_policy, self.device, self.doc.get("switches"))
 
     @staticmethod
     def _batch(source: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -373,6 +386,8 @@ class StepChecklist:
         """What checklist.json holds (see :mod:`pytest_msprobe.format.checklist`)."""
         doc: dict[str, Any] = {"step": self.step, "rank": self.rank, "device": self.device, **self.doc}
         doc["optimizers"] = list(self.optimizers)
+        policy = self.policy or policy_from_switches(self.device, self.doc.get("switches") or {})
+        doc["precision"] = policy.to_dict()
         if self.data is not None:
             doc["data"] = self.data
         return doc

@@ -63,6 +63,7 @@ from pytest_msprobe.dump.writer import (
     current_rank,
     step_dir,
     write_checklist_file,
+    write_optimizer_file,
     write_step_files,
 )
 from pytest_msprobe.errors import ConfigError, DumpError, DumpSizeError, PathLike
@@ -197,7 +198,8 @@ class PrecisionDebugger:
                 recorder.on_first_call = self._checklist.first_call
             if config.modules and self.model is not None:
                 recorder.attach_model(self.model)
-            if config.level == "mix":
+            if config.level == "mix" or recorder.record_updates:
+                recorder.model_lookup = self._updated_model
                 recorder.attach_optimizer_hooks()
             # the frames above this call stay while the step is captured: stacks stop walking at them
             recorder.stacks.anchor = StackAnchor(skip=1)
@@ -305,6 +307,18 @@ class PrecisionDebugger:
 
     # -- internals -----------------------------------------------------------------------------------------------
 
+    def _updated_model(self) -> torch.nn.Module | None:
+        """The model whose parameters' updates are recorded: the one given, else the one the checklist found (at
+        the start, or at the optimizer's step: its hook runs before the recorder's)."""
+        if self.model is not None:
+            return self.model
+        checklist = self._checklist
+        return (
+            checklist.model
+            if checklist is not None and checklist.model is not None
+            else self._checklist_model
+        )
+
     def _detach(self) -> None:
         """Stop capturing: the recorder closed, this thread's slot emptied, wrappers let go, hooks removed.
 
@@ -410,6 +424,8 @@ class PrecisionDebugger:
                     data, stacks = self._overflowing(step, data, stacks)
                 if checklist is not None:
                     write_checklist_file(folder, checklist)
+                if recorder.record_updates:
+                    write_optimizer_file(folder, recorder.optimizer_document(data))
                 write_step_files(folder, header, data, stacks, construct, own)
 
         self._files.wait()  # one step at a time; an earlier step's failure is reported before this one goes

@@ -3,7 +3,7 @@
 - :mod:`.api_calls`: APIs (L1), called from the wrappers of :mod:`.intercept`, and their backward;
 - :mod:`.module_hooks`: modules (L0), forward and backward, and parameter gradients;
 - :mod:`.collectives`: the calls of torch.distributed;
-- :mod:`.optimizer_hooks`: the optimizer's step as a parent node (mix).
+- :mod:`.optimizer_hooks`: the optimizer's step as a parent node (mix), each parameter's update (optimizer.json).
 
 Each part is a base class of :class:`Recorder` holding its own state and methods: a wrapper or hook reaches the
 method it needs in one call, with nothing in between.
@@ -64,4 +64,4 @@ class Recorder(ApiCalls, ModuleHooks, Collectives, OptimizerHooks):
             self.self_check.finish()
         self._finish_modules()
         self.module_stack.clear()
-        self.in_optimizer = False
+        self._finish_optimizer()

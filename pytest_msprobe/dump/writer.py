@@ -4,6 +4,8 @@ Layout, as msprobe writes it::
 
     dump_path/step{N}/{rank | rank{R}}/dump.json, stack.json, construct.json[, dump_tensor_data/<row>.pt]
 
+and beside them our sidecars (checklist.json, optimizer.json, self_check.json), written before the dump.json.
+
 ``rank`` when torch.distributed is not initialized, ``rank{R}`` when it is. Each JSON file is written to a
 temporary file in the same folder and renamed over the target; tensor files are saved into a hidden staging
 folder that is renamed to ``dump_tensor_data`` when the step's files are written, right before its dump.json. A
@@ -18,7 +20,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from pytest_msprobe.format.layout import (
     rank_folder,
     step_folder,
 )
+from pytest_msprobe.format.optimizer import OPTIMIZER_JSON, OptimizerStep, write_optimizer
 from pytest_msprobe.format.own_errors import CallOwn, own_errors_path, write_own_errors
 
 
@@ -100,6 +103,15 @@ def write_checklist_file(folder: Path, doc: Mapping[str, Any]) -> None:
         write_checklist(folder, doc)
     except OSError as exc:
         raise DumpError(f"{folder / CHECKLIST_JSON}: cannot write ({exc.strerror or exc})") from exc
+
+
+def write_optimizer_file(folder: Path, steps: Sequence[OptimizerStep]) -> None:
+    """Write a step's optimizer.json into ``folder`` (created if needed), before its dump.json."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_optimizer(folder, steps)
+    except OSError as exc:
+        raise DumpError(f"{folder / OPTIMIZER_JSON}: cannot write ({exc.strerror or exc})") from exc
 
 
 def write_step_files(

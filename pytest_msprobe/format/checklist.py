@@ -15,7 +15,9 @@ suspected, as it was at the start of the step (the optimizer's settings as its f
      "parameters": {"c1.weight": {"shape": [8, 3, 3, 3], "dtype": "float32", "crc32": "8d0f3a12",
                                   "min": -0.19, "max": 0.19, "mean": 0.002, "norm": 1.6}, ...},
      "buffers": {...},
-     "data": {"source": "the model's forward", "tensors": {"args.0": {...a fingerprint...}}}}
+     "data": {"source": "the model's forward", "tensors": {"args.0": {...a fingerprint...}}},
+     "precision": {"device": "cuda", "conv": "tf32", "matmul": "float32", "autocast": null,
+                   "conv_setting": ["torch.backends.cudnn.allow_tf32", "True"], "matmul_setting": null}}
 
 A fingerprint is exact (the CRC32 of the tensor's bytes) plus statistics; non-finite statistics are written as the
 strings ``"nan"``, ``"inf"`` and ``"-inf"`` (JSON has no such numbers). This module reads and writes the file and
@@ -40,7 +42,7 @@ VERSION = 1
 # its optimizer, at that optimizer's first step (the weights as the step started, the buffers as its forward
 # left them)
 TAKEN_AT_START, TAKEN_AT_OPTIMIZER = "the step's start", "the first optimizer step"
-_SECTIONS = ("environment", "versions", "switches", "structure", "parameters", "buffers", "data")
+_SECTIONS = ("environment", "versions", "switches", "structure", "parameters", "buffers", "data", "precision")
 
 
 def checklist_path(dump_json: Path) -> Path:

@@ -139,12 +139,13 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
     ``msprobe.device`` is the rank's own (``cuda:LOCAL_RANK``). Wrap the model in DDP as usual.
     """
     from pytest_msprobe.run.device import select_device
-    from pytest_msprobe.run.launcher import check_launch
+    from pytest_msprobe.run.launcher import check_launch, device_shortage
     from pytest_msprobe.run.runner import MsprobeRun
 
     config = request.config
     rank_process = config.stash.get(RANK_KEY, None)
     joined = False
+    shortage: str | None = None
     marker = request.node.get_closest_marker("msprobe")
     try:
         if marker is not None and marker.args:
@@ -173,12 +174,16 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
             )
         else:
             ws = settings.world_size
-            backend = check_launch(ws, settings.backend, device, nodeid) if ws > 1 else None
-            run = MsprobeRun(nodeid, session, settings, device, backend=backend)
+            shortage = device_shortage(ws, device) if ws > 1 else None
+            if shortage is None:
+                backend = check_launch(ws, settings.backend, device, nodeid) if ws > 1 else None
+                run = MsprobeRun(nodeid, session, settings, device, backend=backend)
     except MsprobeError as exc:
         problem: str | None = str(exc)
     else:
         problem = None
+    if shortage is not None:  # a machine with fewer devices than ranks cannot run the test: not a failure
+        raise pytest.skip.Exception(shortage, _use_item_location=True)
     if problem is not None:  # failed outside the except block: no chained traceback in the report
         if joined and rank_process is not None:
             rank_process.leave()
@@ -250,6 +255,9 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     item.user_properties.append(("msprobe_first_divergence", first))
     if compared is not None and compared.checklist_first is not None:
         fd = None  # the rank below is the call's; a checklist difference names its own
+        # a setting: the rank of the first call it changes
+        if compared.checklist_first.kind == "setting" and compared.several_ranks:
+            item.user_properties.append(("msprobe_first_divergence_rank", compared.checklist_first.rank))
     context = compared.checklist.context_line() if compared is not None and compared.checklist else None
     if context:  # environment and versions: shown, never a failure on their own
         item.user_properties.append((CONTEXT, context))

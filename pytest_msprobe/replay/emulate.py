@@ -42,7 +42,6 @@ from pytest_msprobe.format.precision import (
     MANTISSA_BITS,
     MATMUL,
     Policy,
-    policy_from_switches,
 )
 
 _HALF = {"torch.bfloat16": BFLOAT16, "torch.float16": FLOAT16}
@@ -132,22 +131,6 @@ def emulation_for(policy: Policy | None, autocast: str | None, entry: Mapping[st
     if conv != FLOAT32 or matmul != FLOAT32:
         return Emulation(conv, matmul)
     return None
-
-
-def policy_of_checklist(checklist: Mapping[str, Any] | None) -> Policy | None:
-    """The policy a run's checklist declares: its ``"precision"``, else the one its recorded switches give on
-    its device; None without a checklist (a plain msprobe dump: judged by float32's precision)."""
-    if checklist is None:
-        return None
-    doc = checklist.get("precision")
-    if isinstance(doc, Mapping):
-        found = Policy.from_dict(doc)
-        if found is not None:
-            return found
-    switches = checklist.get("switches")
-    if not isinstance(switches, Mapping):
-        return None
-    return policy_from_switches(checklist.get("device"), switches)
 
 
 def _kernels() -> dict[Any, tuple[str, tuple[int, ...], tuple[int, ...]]]:

@@ -24,10 +24,10 @@ from pytest_msprobe.format.checklist import read_checklist
 from pytest_msprobe.format.files import read_json, write_text
 from pytest_msprobe.format.layout import TENSOR_DIR, discover
 from pytest_msprobe.format.names import BACKWARD, FORWARD, parse_name
-from pytest_msprobe.format.precision import Policy
+from pytest_msprobe.format.precision import Policy, checklist_policy
 from pytest_msprobe.replay.apis import resolve
 from pytest_msprobe.replay.backward import replay_backward, run_call
-from pytest_msprobe.replay.emulate import autocast_of, emulation_for, emulator, policy_of_checklist
+from pytest_msprobe.replay.emulate import autocast_of, emulation_for, emulator
 from pytest_msprobe.replay.standard import OwnError, judge_output
 from pytest_msprobe.replay.values import (
     Unreplayable,
@@ -146,7 +146,8 @@ def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:
         if not isinstance(data, dict):
             raise DumpFormatError(location.path, "no 'data' object: not a msprobe dump.json")
         tensor_dir = location.path.parent / TENSOR_DIR
-        policy = policy_of_checklist(read_checklist(location.path.parent))
+        checklist = read_checklist(location.path.parent)  # (msprobe's own dumps have none: float32)
+        policy = checklist_policy(checklist) if checklist is not None else None
         declared.append(Declared(location.step, location.rank, policy))
         for name, entry in data.items():
             parts = parse_name(name)

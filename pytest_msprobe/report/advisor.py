@@ -308,7 +308,7 @@ def coverage_advice(result: CompareResult) -> str | None:
     return (
         f"{headline}: the compare cannot vouch for a run it could not pair. The usual causes: "
         f"{'; '.join(UNMATCHED_CAUSES)}. Dump both runs from the same script and level; if the two really "
-        f"make different calls (a CPU baseline for a CUDA run: the optimizer's calls differ), raise "
+        f"make different calls, raise "
         f"max_unmatched (unmatched now: {unmatched_share(cov)} of the baseline's rows)."
     )
 
@@ -342,12 +342,24 @@ def advisor_text(result: CompareResult) -> str:
     """The advisor file's content: led by a checklist difference when one comes first, else by the call
     where the error enters; the checklist's context and differences follow."""
     trend = trend_advice(result)
+    aside = _set_aside_text(result)
     led = _checklist_advisor(result)
     if led is not None:
-        return led + (f"\n{trend}\n" if trend else "")
+        return led + (f"\n{trend}\n" if trend else "") + aside
     text = _call_advisor(result)
     extra = checklist_lines(result)
-    return text + ("\n".join(extra) + "\n" if extra else "") + (f"\n{trend}\n" if trend else "")
+    return text + ("\n".join(extra) + "\n" if extra else "") + (f"\n{trend}\n" if trend else "") + aside
+
+
+def _set_aside_text(result: CompareResult) -> str:
+    """What the compare set aside on purpose (neither compared nor unmatched), one line per dump pair and cause."""
+    if not result.set_aside:
+        return ""
+    lines = [
+        "Set aside (not compared, not unmatched: the two sides' implementations record it differently):",
+        *(f"  {note}" for note in result.set_aside),
+    ]
+    return "\n" + "\n".join(lines) + "\n"
 
 
 def _call_advisor(result: CompareResult) -> str:

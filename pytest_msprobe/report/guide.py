@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pytest_msprobe.compare.result import CompareResult, Divergence
 from pytest_msprobe.format.names import scope_key
+from pytest_msprobe.options import ALLOW_TF32
 
 # what to do next for a checklist difference, by kind (msprobe's guide: settle the checklist first)
 CHECKLIST_NEXT = {
@@ -24,6 +25,13 @@ CHECKLIST_NEXT = {
     "structure": "Run the same model code in both (the module tree, the names, shapes and dtypes of its "
     "parameters and buffers): a different version of the model code or of a library that builds it, or a "
     "dtype cast on one side only.",
+    "setting": "Run both sides with the same setting. Under pytest the msprobe fixture's default computes "
+    "float32 math in float32 on every device (TF32 and HF32 off) with deterministic algorithms, for the "
+    f"baseline's run as for this one; {ALLOW_TF32.flag} (ini {ALLOW_TF32.ini}, marker {ALLOW_TF32.marker}=True) "
+    "leaves TF32 and HF32 as the device has them instead, and then belongs on both runs (regenerate the "
+    "baseline with it). Autocast and the reduced reductions of half-type matmuls are the test's own code: set "
+    "them alike on both. Outside pytest, set the switch alike in both scripts. A looser tolerance is no fix: "
+    "the setting's error would hide a real fault.",
 }
 
 
@@ -74,10 +82,7 @@ def checklist_lines(result: CompareResult) -> list[str]:
         lines.append(
             "Context that differs (never a failure on its own; 'expected' between these two device types):"
         )
-        lines.extend(
-            f"  {d.kind} {d.name}: {d.target} vs {d.baseline}" + (" (expected)" if d.expected else "")
-            for d in checklist.context[:20]
-        )
+        lines.extend(f"  {d.context_text()}" for d in checklist.context[:20])
     if checklist.unchecked:
         lines.append("Not checked:")
         lines.extend(f"  {why}" for why in checklist.unchecked[:6])

@@ -123,7 +123,7 @@ def entry_detail(entry: Mapping[str, Any]) -> str:
         detail = f"first overflow {first['text']}"
     elif first:
         detail = f"first divergence {first['text']}"
-        if first.get("kind") == "api" and first.get("rank") is not None:
+        if first.get("kind") in ("api", "setting") and first.get("rank") is not None:
             detail += f" on rank {first['rank']}"
     else:  # a test that compared nothing says why; a pass or a regeneration where its baseline is
         detail = entry.get("reason") or entry.get("baseline") or ""

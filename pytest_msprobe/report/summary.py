@@ -120,7 +120,8 @@ def trend_dict(result: CompareResult) -> dict[str, Any] | None:
 def summary_dict(result: CompareResult) -> dict[str, Any]:
     """``{"passed", "first_divergence": null | {api, row, step, rank, reason}, "failures": [...], "missing":
     [the baseline's steps/ranks the target lacks], "coverage": {passed, max_unmatched, baseline_calls,
-    unmatched_calls, baseline_rows, unmatched_rows, share, reason, over, first_unmatched}, "ranks": [per rank:
+    unmatched_calls, baseline_rows, unmatched_rows, share, reason, over, first_unmatched}, "set_aside": [one line
+    per dump pair and cause of what was neither compared nor unmatched], "ranks": [per rank:
     rank, passed, apis, apis_error, first_error], "counts", "self_check": null | {gate, calls_checked,
     calls_not_replayed, out_of_line: [{api, step, rank, reason}]}, "checklist": null | {checked_dump_pairs,
     unchecked, passed, failures, context}, "overflow": null | {api, step, rank, where, row, output_row, values,
@@ -137,6 +138,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         "failures": failures,
         "missing": list(result.missing),
         "coverage": coverage_dict(result),
+        "set_aside": list(result.set_aside),
         "ranks": rank_summaries(result),
         "counts": result.counts(),
         "self_check": own_summary_dict(result),
@@ -147,14 +149,15 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
 
 def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
     """``{kind, api, row, step, rank, reason, rule}``: ``kind`` is ``api`` for a call (then ``rule`` says which
-    rule placed it), or the checklist's kind (data, parameter, buffer, hyperparameter, structure) with its
-    ``name`` and ``where``."""
+    rule placed it), or the checklist's kind (data, parameter, buffer, hyperparameter, structure, setting) with
+    its ``name`` and ``where`` (and, for a setting, the first ``call`` it changes, at ``step`` and ``rank``)."""
     first = result.checklist_first
     if first is not None:
         return {
             "kind": first.kind,
             "name": first.name,
             "where": first.where,
+            "call": first.call or None,
             "api": None,
             "row": None,
             "step": first.step,

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from pytest_msprobe.compare.result import (
+    SETTING,
     UNMATCHED_CAUSES,
     CompareResult,
     Divergence,
@@ -53,11 +54,12 @@ def api_site(result: CompareResult, api: str) -> str | None:
 
 
 def divergence_site(result: CompareResult) -> str | None:
-    """The source line of the first divergence's call (None for a checklist difference, or without a stack)."""
-    fd = result.first_divergence
-    if fd is None or result.checklist_first is not None:
-        return None
-    return api_site(result, fd.api)
+    """The source line of the first divergence's call, or of the first call a setting that comes first changes
+    (None for another checklist difference, or without a stack)."""
+    fd, first = result.first_divergence, result.checklist_first
+    if first is not None:
+        return api_site(result, first.call) if first.call else None
+    return api_site(result, fd.api) if fd is not None else None
 
 
 def dtype_change(row: RowResult) -> str | None:
@@ -99,7 +101,11 @@ def divergence_lines(result: CompareResult) -> list[str]:
     first = result.checklist_first
     lines: list[str] = []
     if first is not None:
-        lines = [f"first divergence: {first.headline(result.several_ranks)}", f"  {first.meaning}"]
+        lines = [f"first divergence: {first.headline(result.several_ranks)}"]
+        site = divergence_site(result)
+        if site:  # a setting: where its first changed call is made
+            lines.append(f"  called from: {site}")
+        lines.append(f"  {first.meaning}")
         assert result.checklist is not None
         others = [d for d in (*result.checklist.failures, *result.checklist.drifts) if d is not first]
         if others:
@@ -132,7 +138,9 @@ def checklist_headline(result: CompareResult) -> str:
         return ""
     kinds = ", ".join(dict.fromkeys(d.kind for d in failures))
     n = len(failures)
-    return f"the runs differ before any call: {n} checklist difference{'s' if n > 1 else ''} ({kinds}); "
+    # a setting is no difference before the calls: it changes how they compute
+    what = "in a numerics setting" if all(d.kind == SETTING for d in failures) else "before any call"
+    return f"the runs differ {what}: {n} checklist difference{'s' if n > 1 else ''} ({kinds}); "
 
 
 def _reports_lines(reports: dict[str, str] | None) -> list[str]:
@@ -192,6 +200,21 @@ def coverage_lines(result: CompareResult, allow: str) -> list[str]:
         f"  if the two runs really make different calls, raise the limit with {allow} (unmatched now: "
         f"{unmatched_share(cov)} of the baseline's rows)"
     )
+    return lines
+
+
+SET_ASIDE_SHOWN = 5  # set-aside lines the console and the failure message show (summary.json has them all)
+
+
+def set_aside_lines(result: CompareResult) -> list[str]:
+    """``set aside (not compared, not unmatched): step 0, rank 0: the baseline's optimizer (fused) records no
+    update per parameter: ...``: what the compare left out on purpose, one line per dump pair and cause."""
+    notes = result.set_aside
+    if not notes:
+        return []
+    lines = ["set aside (not compared, not unmatched):", *(f"  {note}" for note in notes[:SET_ASIDE_SHOWN])]
+    if len(notes) > SET_ASIDE_SHOWN:
+        lines.append(f"  ... and {len(notes) - SET_ASIDE_SHOWN} more (summary.json: set_aside)")
     return lines
 
 
@@ -297,6 +320,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
             lines.append(f"  {r.row:<60} {fmt_number(r.error):>9} / {fmt_number(r.allowed)}")
     for note in result.unpaired:
         lines.append(f"{'missing' if note in result.missing else 'not compared'}: {note}")
+    lines.extend(set_aside_lines(result))
     lines.extend(_reports_lines(reports))
     return "\n".join(lines)
 
@@ -346,6 +370,7 @@ def failure_message(
         if len(result.missing) > 5:
             lines.append(f"  ... and {len(result.missing) - 5} more")
     lines.extend(worst_rows_lines(result))
+    lines.extend(set_aside_lines(result))
     lines.append(f"baseline: {baseline}")
     lines.extend(_reports_lines(reports))
     lines.append(f"if the new numbers are right, regenerate the baseline: {regen_command}")

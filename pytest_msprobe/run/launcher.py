@@ -6,8 +6,10 @@ torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MAST
 process group through a TCPStore that the launcher holds (its port is bound before any rank needs it, so no two
 tests or xdist workers can share one), runs the fixture and the body, and dumps ``step{N}/rank{R}/`` into the
 test's dump folder; the launcher then compares all ranks at once. The first rank that fails or dies stops the
-others; ranks still running when the time is up write their Python stacks and are stopped. Every rank is reaped
-on every path (a failure, the timeout, Ctrl-C), and a rank whose launcher dies is killed by the kernel.
+others at once (SIGTERM, then SIGKILL after a grace period, as torchrun does), also those still waiting for it
+in the rendezvous; ranks still running when the time is up write their Python stacks and are stopped. Every
+rank is reaped on every path (a failure, the timeout, Ctrl-C), and a rank whose launcher dies is killed by the
+kernel. A machine with fewer devices than ranks (one each) skips the test before any rank starts.
 
 The rank's command line and the pytest plugin it runs are :mod:`pytest_msprobe.pytest.rank_worker`'s.
 """
@@ -40,6 +42,7 @@ DEFAULT_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 MASTER_ADDR = "127.0.0.1"
 STACK_SIGNAL = signal.SIGUSR1  # asks a rank for its Python stacks (faulthandler) before it is killed
 _STACK_GRACE = 0.5  # seconds for the stacks to be written: faulthandler writes from the signal handler itself
+_TERM_GRACE = 5.0  # seconds the ranks still running get after SIGTERM, before SIGKILL (torchrun's order)
 _POLL = 0.05
 _OUTPUT_LIMIT = 1 << 20  # bytes of a rank's output kept for the test report
 _PR_SET_PDEATHSIG = 1
@@ -80,8 +83,8 @@ class RankSpec:
 
 
 def check_launch(world_size: int, backend: str | None, device: torch.device, where: str) -> str:
-    """The backend the ranks of a test will use (by device when not given); ConfigError when they cannot start."""
-    import torch
+    """The backend the ranks of a test will use (by device when not given); ConfigError when they cannot start
+    whatever the machine (too few devices is :func:`device_shortage`'s: a skip)."""
     import torch.distributed as dist
 
     if os.name != "posix":
@@ -94,15 +97,22 @@ def check_launch(world_size: int, backend: str | None, device: torch.device, whe
             f"{where}: torch.distributed backend {name!r} is not available here (device {device}); "
             "choose another with the marker's backend="
         )
-    if device.type != "cpu":
-        count = int(getattr(torch, device.type).device_count())
-        first = device.index or 0
-        if first + world_size > count:
-            raise ConfigError(
-                f"{where}: world_size={world_size} needs {device.type} devices {first} to "
-                f"{first + world_size - 1}, {count} visible"
-            )
     return name
+
+
+def device_shortage(world_size: int, device: torch.device) -> str | None:
+    """Why this machine cannot give each of ``world_size`` ranks its own ``device`` (rank R takes device
+    index + R), or None when it can: the reason a multi-rank test is skipped here."""
+    import torch
+
+    if device.type == "cpu":
+        return None
+    count = int(getattr(torch, device.type).device_count())
+    first = device.index or 0
+    if first + world_size <= count:
+        return None
+    start = f" from {device.type}:{first}" if first else ""
+    return f"needs {world_size} {device.type} devices{start} (one per rank), this machine has {count}"
 
 
 @dataclass(frozen=True)
@@ -123,18 +133,34 @@ def _poll_exit(proc: subprocess.Popen[bytes]) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
+def _terminate(procs: Sequence[subprocess.Popen[bytes]], running: Sequence[int], grace: float) -> None:
+    """SIGTERM to the process groups of ``running`` and wait up to ``grace`` s for those processes to end (left
+    unreaped, as in :func:`_poll_exit`); what is left is the caller's to kill."""
+    for i in running:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(procs[i].pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    left = list(running)
+    while left and time.monotonic() < deadline:
+        time.sleep(_POLL)
+        left = [i for i in left if _poll_exit(procs[i]) is None]
+
+
 def run_processes(
     commands: Sequence[Sequence[str]],
     envs: Sequence[dict[str, str]],
     cwd: str | os.PathLike[str],
     logs: Sequence[Path],
     timeout: float,
+    grace: float = _TERM_GRACE,
 ) -> list[ProcessEnd]:
-    """Run the commands side by side until all have ended, one has failed (a non-zero status: the others are
-    stopped) or ``timeout`` seconds have passed (those still running get STACK_SIGNAL, then are stopped).
+    """Run the commands side by side until all have ended, one has failed (a non-zero status or a signal: the
+    others are stopped at once) or ``timeout`` seconds have passed (those still running get STACK_SIGNAL, then
+    are stopped).
 
     Each runs in a session of its own (a terminal's Ctrl-C reaches only us) with stdout and stderr appended to
-    its log; stopping one kills its process group. Every process is reaped before this returns or raises.
+    its log. Stopping is torchrun's: SIGTERM to each process group, SIGKILL to what is left after ``grace``
+    seconds (at once on an interrupt). Every process is reaped before this returns or raises.
     """
     procs: list[subprocess.Popen[bytes]] = []
     ended: dict[int, tuple[int, int]] = {}  # index -> (status, order)
@@ -168,6 +194,7 @@ def run_processes(
                 time.sleep(_STACK_GRACE)
                 break
             time.sleep(_POLL)
+        _terminate(procs, [i for i in range(len(procs)) if i not in ended], grace)
     finally:
         for proc in procs:  # the ended ones too: what they started may still run in their group
             with contextlib.suppress(ProcessLookupError, PermissionError):

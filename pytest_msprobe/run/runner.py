@@ -9,6 +9,7 @@ read or written), which the plugin reports as an error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import platform
@@ -82,13 +83,16 @@ class _NoDump:
 
 @dataclass(frozen=True)
 class _Determinism:
-    """The process-wide switches seed_all(mode=True) changes, so a test leaves them as it found them."""
+    """The process-wide switches the fixture changes, so a test leaves them as it found them: those
+    seed_all(mode=True) sets, and TF32 / HF32 switched off (float32 math in float32 on every device) unless the
+    test allows them."""
 
     algorithms: bool
     warn_only: bool
     cudnn_deterministic: bool
     cudnn_benchmark: bool
     env: dict[str, str | None]
+    precision: Callable[[], None] | None = None  # puts TF32 / HF32 back; None: they were left as they were
 
     @classmethod
     def save(cls) -> _Determinism:
@@ -104,6 +108,17 @@ class _Determinism:
             {name: os.environ.get(name) for name in SEED_ENV},
         )
 
+    @classmethod
+    def enter(cls, seed: int, allow_tf32: bool) -> _Determinism:
+        """Save the switches, seed, and (unless ``allow_tf32``) switch TF32 and HF32 off."""
+        saved = cls.save()
+        seed_all(seed=seed, mode=True)
+        if allow_tf32:  # the production setting: the checklist records it
+            return saved
+        from pytest_msprobe.dump.precision import strict_float32
+
+        return dataclasses.replace(saved, precision=strict_float32())
+
     def restore(self) -> None:
         import os
 
@@ -117,6 +132,8 @@ class _Determinism:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        if self.precision is not None:
+            self.precision()
 
 
 class MsprobeRun:
@@ -130,7 +147,8 @@ class MsprobeRun:
 
     The seed is set (``seed_all(seed, mode=True)``) before the test body runs, so model initialisation is the
     same on every device, and on every rank of a multi-rank test (``rank``, ``world_size``): data that should
-    differ per rank is the test's to make so.
+    differ per rank is the test's to make so. float32 math is computed in float32 on every device (TF32 and HF32
+    off) unless the test allows them (``allow_tf32``); every switch is put back after the test.
 
     A test of ``world_size`` N > 1 has N + 1 runs: the launcher's, which never runs the body but regenerates or
     compares all ranks' dumps at once (:meth:`finish`), and one per rank process (``rank`` given), which dumps
@@ -199,8 +217,7 @@ class MsprobeRun:
             if self.active:
                 self.debugger = self._debugger(self.dump_dir, self.dump_steps)
             self._new_trend()
-            self._determinism = _Determinism.save()
-            seed_all(seed=test.seed, mode=True)
+            self._determinism = _Determinism.enter(test.seed, test.allow_tf32)
         except BaseException:  # no run to close: the folder is let go here
             self._release()
             raise
@@ -314,14 +331,16 @@ class MsprobeRun:
             extra={
                 "thresholds": self.settings.thresholds.to_dict(),
                 "self_check": self.settings.self_check,  # the baseline holds each call's own error
+                # TF32 / HF32 as the device had them (the production setting), or off (float32 in float32)
+                "allow_tf32": self.settings.allow_tf32,
                 **({"trend_steps": self.trend_steps} if self.trend_steps else {}),
                 **({"world_size": self.world_size, "backend": self.backend} if self.world_size > 1 else {}),
             },
         )
 
     def close(self) -> None:
-        """After the test: release the debugger's hooks, put the process-wide deterministic switches back and
-        let go of the output folder."""
+        """After the test: release the debugger's hooks, put the process-wide deterministic and TF32 / HF32
+        switches back and let go of the output folder."""
         try:
             self.debugger.close()
         finally:

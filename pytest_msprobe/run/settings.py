@@ -62,6 +62,8 @@ class TestSettings:
     trend_steps: int | None = None  # record and compare the loss and gradient norms of steps 0..N-1
     trend_rtol: float | None = None  # the trend's relative tolerance; None: by the training dtype
     report_only: bool = False  # a precision verdict is recorded and reported, never a failure of the test
+    # leave TF32 / HF32 as the device and the test have them, instead of float32 math in float32 everywhere
+    allow_tf32: bool = False
 
 
 def check_flag(value: Any, where: str) -> bool:

@@ -154,8 +154,8 @@ def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> 
     result, paths = reported
     doc = json.loads(Path(paths["summary"]).read_text())
     assert set(doc) == {
-        "passed", "first_divergence", "failures", "missing", "coverage", "ranks", "counts", "self_check",
-        "overflow", "checklist", "trend",
+        "passed", "first_divergence", "failures", "missing", "coverage", "set_aside", "ranks", "counts",
+        "self_check", "overflow", "checklist", "trend",
     }  # fmt: skip
     assert doc["overflow"] is None and "overflow" not in doc["first_divergence"]
     assert doc["first_divergence"]["kind"] == "api"

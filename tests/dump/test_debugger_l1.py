@@ -30,11 +30,12 @@ def _dump_once(tmp_path: Path, body: Callable[[], Any], **kwargs: Any) -> dict[s
 def test_layout_and_header(tmp_path: Path) -> None:
     dump = _dump_once(tmp_path, lambda: F.relu(torch.ones(2)))
     folder = tmp_path / "step0" / "rank"
-    # msprobe's three files, and our checklist beside them
+    # msprobe's three files, and our checklist and optimizer record beside them
     assert sorted(p.name for p in folder.iterdir()) == [
         "checklist.json",
         "construct.json",
         "dump.json",
+        "optimizer.json",
         "stack.json",
     ]
     assert {k: v for k, v in dump.items() if k != "data"} == {

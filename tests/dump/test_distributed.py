@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
+import textwrap
 import zlib
 from pathlib import Path
 from types import ModuleType
@@ -229,8 +231,8 @@ def test_ddp_at_mix_names_modules_inside_the_wrapper(ranks_out: Path) -> None:
 # -- the example, as a user runs it ----------------------------------------------------------------------------
 
 
-def _run_example(example: ModuleType, *args: str) -> None:
-    assert example.launch(EXAMPLE, list(args), world_size=2, timeout=240) == 0
+def _run_example(example: ModuleType, *args: str, world_size: int = 2) -> None:
+    assert example.launch(EXAMPLE, ["--world-size", str(world_size), *args], world_size, timeout=240) == 0
 
 
 def test_example_rerun_gives_the_same_dumps_and_numbers(
@@ -278,10 +280,97 @@ def test_example_fault_on_rank_one_is_named_on_rank_one_by_the_compare(
     assert "first divergence: Functional.relu.1.forward (step 0, rank 1)" in capsys.readouterr().out
 
 
-# -- the same code paths on accelerators (nccl, hccl): skipped where there is none -----------------------------
+# -- the example's launcher: one rank's failure ends every rank, at once, with that rank's error ---------------
+
+# rank 1 fails before it joins the process group, as a rank whose device does not exist does; rank 0 is left
+# waiting for it in init_process_group (its timeout is far longer than any test's)
+EARLY_FAILURE = textwrap.dedent(
+    """
+    import datetime
+    import os
+    import signal
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    how = sys.argv[1]
+    if os.environ["RANK"] == "1":
+        time.sleep(1)  # rank 0 is in the rendezvous by now
+        if how == "raises":
+            raise RuntimeError("rank 1 cannot start: invalid device ordinal")
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(3)
+    if how == "ignores-sigterm":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=600))
+    """
+)
+
+
+def _children() -> list[int]:
+    """Processes whose parent is this one (Linux /proc): a rank left behind would be one."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+@pytest.mark.parametrize(
+    ("how", "headline", "error"),
+    [
+        (
+            "raises",
+            "rank 1 of 2 failed (exit status 1); rank 0 stopped",
+            "RuntimeError: rank 1 cannot start: invalid device ordinal",
+        ),
+        ("killed", "rank 1 of 2 failed (killed by SIGKILL); rank 0 stopped", "(nothing)"),
+        ("exits", "rank 1 of 2 failed (exit status 3); rank 0 stopped", "(nothing)"),
+        ("ignores-sigterm", "rank 1 of 2 failed (exit status 3); rank 0 stopped", "(nothing)"),
+    ],
+)
+def test_example_launcher_stops_every_rank_when_one_fails_before_joining(
+    tmp_path: Path, example: ModuleType, how: str, headline: str, error: str
+) -> None:
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_FAILURE)
+    with pytest.raises(example.RankFailure) as failure:
+        example.launch(script, [how], world_size=2, timeout=300, grace=2)
+    message = str(failure.value)
+    lines = message.splitlines()
+    assert lines[0] == headline  # not the timeout's "still running after 300 s"
+    assert lines[1] == "rank 1's error output (end):" and error in message
+    assert failure.value.status == (3 if how in ("exits", "ignores-sigterm") else 1)
+    assert _children() == []  # rank 0, blocked in the rendezvous, was stopped and reaped
+
+
+def test_example_refuses_more_ranks_than_devices(
+    example: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert example.main(["--device", "cuda", "--world-size", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "train_ddp.py: --world-size 2 needs 2 cuda devices (one per rank), this machine has 1"
+    )
+    assert example.device_shortage("cuda", 1) is None and example.device_shortage("cpu", 8) is None
+
+
+# -- the same code paths on accelerators (nccl, hccl): skipped where there are fewer devices than ranks ---------
+
+WORLD = 2  # one device per rank
 
 
 def _accelerators(device: str) -> int:
+    """The devices of this kind that the test can use: none without the collective backend."""
     if device == "cuda":
         ok = torch.cuda.is_available() and torch.distributed.is_nccl_available()
         return torch.cuda.device_count() if ok else 0
@@ -293,15 +382,26 @@ def _accelerators(device: str) -> int:
 @pytest.mark.parametrize("device", ["cuda", "npu"])
 def test_example_on_accelerators(tmp_path: Path, example: ModuleType, device: str) -> None:
     count = _accelerators(device)
-    if not count:
-        pytest.skip(f"no {device} device with its collective backend on this machine")
-    world = min(2, count)  # one device per rank
+    if count < WORLD:
+        pytest.skip(f"needs {WORLD} {device} devices (one per rank), this machine has {count}")
     dump = tmp_path / "dump"
-    _run_example(
-        example, "--device", device, "--world-size", str(world), "--dump-path", str(dump), "--level", "mix"
-    )
-    for rank in range(world):
+    _run_example(example, "--device", device, "--dump-path", str(dump), "--level", "mix", world_size=WORLD)
+    for rank in range(WORLD):
         data = _data(dump, 0, rank)
         assert "Module.module.conv1.Conv2d.forward.0" in data
         grad = data["Module.module.fc.Linear.parameters_grad"]["weight"][0]
         assert grad["shape"] == [10, 16] and grad["Norm"] > 0
+
+
+def test_accelerator_case_skips_on_one_device(
+    tmp_path: Path, example: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One GPU for two ranks: a skip naming both counts, before any rank starts (rank 1 had no device)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(example, "launch", lambda *a, **k: pytest.fail("no rank may start"))
+    with pytest.raises(
+        pytest.skip.Exception, match=r"^needs 2 cuda devices \(one per rank\), this machine has 1$"
+    ):
+        test_example_on_accelerators(tmp_path, example, "cuda")

@@ -61,14 +61,14 @@ def _assert_whole(root: Path, task: str) -> int:
         files = sorted(p.name for p in rank.iterdir())
         if not files:
             continue  # nothing was published for this step
-        json_files = ["checklist.json", "construct.json", "dump.json", "stack.json"]
+        json_files = ["checklist.json", "construct.json", "dump.json", "optimizer.json", "stack.json"]
         assert [f for f in files if f != "dump_tensor_data"] == json_files, files
         docs = {name: json.loads((rank / name).read_text()) for name in json_files}
         data = docs["dump.json"]["data"]
         if task == "tensor":
             named = {
                 item["data_name"]
-                for item in _tensor_items(data)
+                for item in _tensor_items([data, docs["optimizer.json"]["steps"]])
                 if isinstance(item, dict) and "data_name" in item
             }
             folder = rank / "dump_tensor_data"

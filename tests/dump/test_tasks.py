@@ -43,6 +43,9 @@ def test_tensor_task_files_load_safely_and_match_the_statistics(tmp_path: Path, 
     folder = tmp_path / "step0" / "rank" / "dump_tensor_data"
     assert dump["task"] == "tensor" and dump["dump_data_dir"] == str(folder)
     items = [item for entry in dump["data"].values() for _, item in _tensor_items(entry)]
+    # and the optimizer's updates (optimizer.json), whose tensors are saved the same way
+    sidecar = json.loads((tmp_path / "step0" / "rank" / "optimizer.json").read_text())
+    items += [item for _, item in _tensor_items(sidecar["steps"])]
     assert len(items) > 200
     assert len({item["data_name"] for item in items}) == len(items)
     assert sorted(p.name for p in folder.iterdir()) == sorted(item["data_name"] for item in items)

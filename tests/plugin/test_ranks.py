@@ -17,7 +17,7 @@ import pytest
 
 from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.options import resolve_test
-from pytest_msprobe.run.launcher import RankExit, run_processes
+from pytest_msprobe.run.launcher import RankExit, device_shortage, run_processes
 from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
 from pytest_msprobe.run.settings import DEFAULT_RANK_TIMEOUT
 
@@ -248,6 +248,81 @@ def test_a_hanging_rank_is_stopped_at_the_timeout_with_every_rank_stack(pytester
     assert _children() == []
 
 
+# rank 1 fails before it joins the process group (as on a machine without its device); rank 0 joins and waits
+# for it in init_process_group
+EARLY_FAILURE = textwrap.dedent(
+    """
+    import os
+
+    import pytest
+
+
+    @pytest.fixture
+    def device_check():
+        if os.environ.get("RANK") == "1":  # the launcher, which runs the fixtures too, has no RANK
+            raise RuntimeError("rank 1 cannot start: invalid device ordinal")
+
+
+    @pytest.mark.msprobe(world_size=2)
+    def test_early(device_check, msprobe):
+        pass
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+def test_a_rank_failing_before_the_process_group_stops_the_others_with_its_error(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_early=EARLY_FAILURE)
+    result = pytester.runpytest(*BASE, "--msprobe-rank-timeout=600")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "msprobe: rank 1 of 2 failed at setup (exit status 1); rank 0 was stopped",
+            "*RuntimeError: rank 1 cannot start: invalid device ordinal",
+        ]
+    )
+    assert "did not finish within" not in result.stdout.str()  # ended by rank 1's failure, not the timeout
+    assert _children() == []
+
+
+def test_a_multi_rank_test_skips_with_fewer_devices_than_ranks(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``world_size=2`` on a one-GPU machine: a skip naming both counts, before any rank starts."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    pytester.makepyfile(
+        "import pytest\n\n@pytest.mark.msprobe(world_size=2)\ndef test_two(msprobe):\n    assert False\n"
+    )
+    result = pytester.runpytest(*BASE, "-rs", "--msprobe-device=cuda", "--msprobe-baseline=bl")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED [1] test_a_multi_rank_test_skips_with_fewer_devices_than_ranks.py:3: needs 2 cuda devices "
+            "(one per rank), this machine has 1"
+        ]
+    )
+    assert not list(pytester.path.rglob("rank0.log"))  # no rank was started
+
+
+def test_device_shortage_counts_from_the_device_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device_shortage(2, torch.device("cuda", 0)) is None
+    assert device_shortage(3, torch.device("cuda", 0)) == (
+        "needs 3 cuda devices (one per rank), this machine has 2"
+    )
+    assert device_shortage(2, torch.device("cuda", 1)) == (
+        "needs 2 cuda devices from cuda:1 (one per rank), this machine has 2"
+    )
+    assert device_shortage(64, torch.device("cpu")) is None
+
+
 @pytest.mark.parametrize(
     ("marker", "message"),
     [
@@ -294,6 +369,19 @@ def test_run_processes_stops_the_others_when_one_fails(tmp_path: Path) -> None:
     ends = run_processes([_sleeper(0, 3), _sleeper(60)], [dict(os.environ)] * 2, tmp_path, logs, 60)
     assert time.monotonic() - start < 30  # not the other's 60 s
     assert (ends[0].status, ends[0].order, ends[0].timed_out) == (3, 0, False)
+    # stopped as torchrun stops a rank: SIGTERM first, which a rank blocked in a collective dies of
+    assert (ends[1].status, ends[1].order, ends[1].timed_out) == (-signal.SIGTERM, -1, False)
+    assert _children() == []
+
+
+@pytest.mark.skipif(os.name != "posix", reason="process groups and signals")
+def test_run_processes_kills_what_ignores_sigterm_after_the_grace(tmp_path: Path) -> None:
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    ends = run_processes(
+        [_sleeper(0.5, 3), [sys.executable, "-c", deaf]], [dict(os.environ)] * 2, tmp_path, logs, 60, grace=1
+    )
+    assert (ends[0].status, ends[0].order) == (3, 0)
     assert (ends[1].status, ends[1].order, ends[1].timed_out) == (-signal.SIGKILL, -1, False)
     assert _children() == []
 

@@ -19,7 +19,6 @@ from pytest_msprobe.replay.emulate import (
     Emulator,
     autocast_of,
     emulation_for,
-    policy_of_checklist,
     round_mantissa,
 )
 
@@ -174,19 +173,6 @@ def test_autocast_is_read_off_a_dumped_call_s_dtypes() -> None:
     assert autocast_of(_entry(["torch.float32"], ["torch.float16"])) == "float16"
     assert autocast_of(_entry(["torch.float32"], ["torch.float32"])) is None
     assert autocast_of(_entry(["torch.bfloat16"], ["torch.bfloat16"])) is None  # a bfloat16 model: no cast
-
-
-def test_the_policy_a_checklist_declares() -> None:
-    tf32_switches = {"cudnn.allow_tf32": True, "cuda.matmul.allow_tf32": False}
-    assert policy_of_checklist({"device": "cuda", "switches": tf32_switches}) == Policy(
-        "cuda", TF32, FLOAT32, None, ("torch.backends.cudnn.allow_tf32", "True")
-    )
-    assert policy_of_checklist({"device": "cpu", "switches": tf32_switches}) == Policy("cpu")  # no TF32 there
-    declared = Policy("npu", HF32, HF32)
-    doc = {"device": "cuda", "switches": tf32_switches, "precision": declared.to_dict()}
-    assert policy_of_checklist(doc) == declared  # the recorded policy first
-    assert policy_of_checklist(None) is None
-    assert policy_of_checklist({"device": "cuda"}) is None
 
 
 def test_the_sidecar_keeps_each_call_s_emulated_format_and_the_policy(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Which recorded API calls a precision setting governs (format/precision.py's one table)."""
+"""Which recorded calls a precision setting governs (format/precision.py's one table, CALLS), as kind_of says
+for a record: forward and backward records of each API, and a module's records by its class."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ CONVOLUTIONS = [
     "Aten.convolution.default.0.forward",
     "Aten.convolution_backward.default.0.forward",
     "NPU.npu_conv2d.0.forward",
+    "VF.lstm.0.forward",  # cuDNN's recurrent layers are under its convolutions' switches
+    "Module.conv.Conv2d.forward.0",
+    "Module.layer1.0.conv1.Conv2d.backward.0",
 ]
 MATMULS = [
     "Functional.linear.0.forward",
@@ -46,20 +50,18 @@ MATMULS = [
     "Aten.mm.default.0.forward",
     "Aten.addmm.default.0.backward",
     "NPU.npu_linear.0.forward",
+    "Torch.mv.0.forward",
+    "Module.fc.Linear.backward.0",
 ]
 NEITHER = [
     "Functional.relu.0.forward",
     "Functional.layer_norm.0.backward",
     "Functional.softmax.0.forward",
     "Functional.batch_norm.0.forward",
-    "Torch.mv.0.forward",  # matrix-vector products: no reduced-format kernel
     "Tensor.dot.0.forward",
-    "Tensor.addmv.0.forward",
     "Tensor.add_.0.forward",
     "Distributed.all_reduce.0.forward",
-    "VF.lstm.0.forward",
-    "Module.conv.Conv2d.forward.0",  # a module's record, not a call of the API
-    "Module.fc.Linear.backward.0",
+    "Module.bn.BatchNorm2d.forward.0",
     "Functional.convolution_like.0.forward",
 ]
 
@@ -75,7 +77,7 @@ def test_matrix_products_forward_and_backward(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NEITHER)
-def test_other_calls_and_module_records_are_of_no_kind(name: str) -> None:
+def test_other_calls_are_of_no_kind(name: str) -> None:
     assert kind_of(name) is None
 
 
