@@ -139,6 +139,21 @@ def first_divergence(
     return _structural(calls, structural or {}) or fallback
 
 
+def inputs_match(
+    apis: Sequence[ApiResult],
+    rows: Sequence[RowResult],
+    feeds: Mapping[int, Sequence[int]],
+    opaque: Collection[int],
+    peers: Mapping[int, Sequence[int]],
+    noise: Collection[int],
+    i: int,
+) -> bool:
+    """Whether every input of call ``i`` matches the baseline (within a tenth of its tolerance; see rule 1):
+    then an output that breaches shows the error entering at this call."""
+    _, _, tainted = _Calls(apis, rows, feeds, opaque, peers, frozenset(noise)).effective_inputs(i)
+    return not tainted
+
+
 def inputs_of_other_shapes(api: ApiResult, rows: Sequence[RowResult]) -> list[int]:
     """The breaching input rows of a call whose two tensors have other shapes (indices into ``rows``)."""
     return [

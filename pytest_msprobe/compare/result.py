@@ -11,7 +11,7 @@ import functools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 from pytest_msprobe.compare.checklist import SETTING as SETTING  # (for the reports)
 from pytest_msprobe.compare.checklist import ChecklistResult, Difference
@@ -32,6 +32,9 @@ from pytest_msprobe.compare.trend_result import TrendResult as TrendResult
 from pytest_msprobe.compare.trend_result import TrendRow as TrendRow
 from pytest_msprobe.compare.trend_result import tolerance_text as tolerance_text
 from pytest_msprobe.format.own_errors import OwnError
+
+if TYPE_CHECKING:  # (devices.py judges with this module's types)
+    from pytest_msprobe.compare.devices import AcrossDevices
 
 PASS, WARNING, ERROR, UNMATCHED, SKIPPED = "pass", "warning", "error", "unmatched", "skipped"
 STATUSES = (PASS, WARNING, ERROR, UNMATCHED, SKIPPED)
@@ -232,6 +235,8 @@ class CompareResult:
     # what was set aside, neither compared nor unmatched, one line per dump pair and cause (an optimizer that
     # records no update per parameter, gradient clipping made of other calls on each side)
     set_aside: tuple[str, ...] = ()
+    # how the calls were judged when the runs ran on different devices (None: on one device, values judge)
+    across: AcrossDevices | None = None
 
     @property
     def passed(self) -> bool:

@@ -21,6 +21,7 @@ from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.checklist_diff import compare_checklists
 from pytest_msprobe.compare.checklist_records import from_records
 from pytest_msprobe.compare.checklist_settings import compared_calls
+from pytest_msprobe.compare.devices import judge_across
 from pytest_msprobe.compare.divergence import first_divergence
 from pytest_msprobe.compare.explain import (
     below_measure,
@@ -148,6 +149,11 @@ def compare(
         for (_, b_loc), found in zip(pairs, t_own)
     ]
     own = own_verdicts(apis, t_own, b_own, thresholds)
+    noise, relations = noise_rows(rows, thresholds), relation_breaks(apis, rows)
+    why = checklist.cross_device()
+    across = None
+    if why is not None:  # values that drift fail nothing: own errors and evidence judge
+        across = judge_across(why, apis, rows, feeds, peers, builder.opaque, noise, own, relations, overflow)
     divergence = first_divergence(
         apis,
         rows,
@@ -158,8 +164,8 @@ def compare(
         builder.structural,
         own,
         self_check,
-        noise_rows(rows, thresholds),
-        relation_breaks(apis, rows),
+        noise,
+        relations,
         overflow,
     )
     if not checklist.checked:  # dumps without checklists (plain msprobe's): what their records tell of one
@@ -207,6 +213,7 @@ def compare(
         overflow=overflow,
         modules=Modules(builder.modules, tuple(builder.module_sources)),
         set_aside=tuple(builder.set_aside),
+        across=across,
     )
 
 

@@ -343,6 +343,10 @@ def advisor_text(result: CompareResult) -> str:
     where the error enters; the checklist's context and differences follow."""
     trend = trend_advice(result)
     aside = _set_aside_text(result)
+    if result.across is not None:  # how the calls were judged leads what follows
+        trend = "\n".join(
+            t for t in (f"{result.across.line()[0].upper()}{result.across.line()[1:]}.", trend) if t
+        )
     led = _checklist_advisor(result)
     if led is not None:
         return led + (f"\n{trend}\n" if trend else "") + aside

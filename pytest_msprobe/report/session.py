@@ -50,7 +50,18 @@ def result_fields(result: CompareResult) -> dict[str, Any]:
     }
     trend = result.trend.first_step if result.trend is not None else None
     context = result.checklist.context_line() if result.checklist is not None else None
-    return {"first_divergence": first, "counts": counts, "trend_first_step": trend, "context": context}
+    across = None
+    if result.across is not None:
+        a = result.across
+        judged = "their own errors" if a.own_errors else "evidence, values alone (no own errors)"
+        across = f"across devices, {a.drift_calls} call(s) drift, judged by {judged}"
+    return {
+        "first_divergence": first,
+        "counts": counts,
+        "trend_first_step": trend,
+        "context": context,
+        "across": across,
+    }
 
 
 def self_check_fields(result: SelfCheckResult) -> dict[str, Any]:
@@ -72,7 +83,13 @@ def self_check_fields(result: SelfCheckResult) -> dict[str, Any]:
         "warnings": None,
         "unmatched": None,
     }
-    return {"first_divergence": first, "counts": counts, "trend_first_step": None, "context": None}
+    return {
+        "first_divergence": first,
+        "counts": counts,
+        "trend_first_step": None,
+        "context": None,
+        "across": None,
+    }
 
 
 def test_entry(
@@ -96,6 +113,7 @@ def test_entry(
         "counts": None,
         "trend_first_step": None,
         "context": None,
+        "across": None,
     }
     if result is not None:
         fields = result_fields(result)
@@ -127,6 +145,8 @@ def entry_detail(entry: Mapping[str, Any]) -> str:
             detail += f" on rank {first['rank']}"
     else:  # a test that compared nothing says why; a pass or a regeneration where its baseline is
         detail = entry.get("reason") or entry.get("baseline") or ""
+    if entry.get("across"):
+        detail += f"; {entry['across']}"
     if entry.get("context"):
         detail += f"; differs (context): {entry['context']}"
     step = entry.get("trend_first_step")

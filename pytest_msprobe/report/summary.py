@@ -125,7 +125,8 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
     rank, passed, apis, apis_error, first_error], "counts", "self_check": null | {gate, calls_checked,
     calls_not_replayed, out_of_line: [{api, step, rank, reason}]}, "checklist": null | {checked_dump_pairs,
     unchecked, passed, failures, context}, "overflow": null | {api, step, rank, where, row, output_row, values,
-    dtype, source, reason}, "trend": null | {...} (see :func:`trend_dict`)}``; ``first_divergence`` is
+    dtype, source, reason}, "trend": null | {...} (see :func:`trend_dict`), "across": null | {why, own_errors,
+    drift_calls, evidence_calls, rule} (runs on different devices: how the calls were judged)}``; ``first_divergence`` is
     :func:`first_divergence_dict`'s."""
     failures = []
     for api in result.failures:
@@ -144,6 +145,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         "self_check": own_summary_dict(result),
         "trend": trend_dict(result),
         "checklist": result.checklist.to_dict() if result.checklist is not None else None,
+        "across": result.across.to_dict() if result.across is not None else None,
     }
 
 

@@ -304,6 +304,8 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         f"{c['apis_error']} of {c['apis']} API calls breach"
     ]
     lines.extend(coverage_lines(result, "--max-unmatched=SHARE"))
+    if result.across is not None:
+        lines.append(result.across.line())
     lines.append(compare_overflow_line(result))
     lines.extend(divergence_lines(result))
     by_rank = rank_line(result)
@@ -355,6 +357,8 @@ def failure_message(
         lines = trend_only_lines(result, steps, f"{c['apis']} API calls, {result.mode} mode")
     else:
         lines = [f"msprobe: {lacking}{checklist_headline(result)}{counts}", *trend_lines(result)]
+    if result.across is not None:
+        lines.append(result.across.line())
     if result.overflow is not None:
         lines.append(compare_overflow_line(result))
     lines.extend(divergence_lines(result))
