@@ -155,9 +155,10 @@ def test_summary_json_schema(reported: tuple[CompareResult, dict[str, str]]) -> 
     doc = json.loads(Path(paths["summary"]).read_text())
     assert set(doc) == {
         "passed", "first_divergence", "failures", "missing", "coverage", "set_aside", "ranks", "counts",
-        "self_check", "overflow", "checklist", "trend",
+        "self_check", "overflow", "checklist", "trend", "across",
     }  # fmt: skip
     assert doc["overflow"] is None and "overflow" not in doc["first_divergence"]
+    assert doc["across"] is None  # both runs on one device: the values judge
     assert doc["first_divergence"]["kind"] == "api"
     # these dumps are written without a model: no weights, the same batch and settings on both sides
     assert doc["checklist"]["passed"] is True and doc["checklist"]["failures"] == []
