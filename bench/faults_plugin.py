@@ -3,6 +3,7 @@
     INJECT_FAULT=op:Functional.conv2d.30            pytest -p faults_plugin ...  # that call's output x (1 + 1e-3)
     INJECT_FAULT=backward:Functional.conv2d.32      pytest -p faults_plugin ...  # its backward x (1 + 1e-2)
     INJECT_FAULT=optimizer:layer3.3.conv2.weight    pytest -p faults_plugin ...  # + 1e-3 x std after each step
+    INJECT_FAULT=op:Functional.relu.4@1             pytest -p faults_plugin ...  # at training step 1 only
 
 (``bench/`` on ``PYTHONPATH``). Each stands for a broken device kernel, so the dump sees what a real one would
 make, and nothing else changes:
@@ -54,20 +55,23 @@ OWNERS: dict[str, Any] = {"Functional": F, "Torch": torch, "Tensor": torch.Tenso
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """One fault: its kind and where: an API call (``Functional.conv2d.30``) or a parameter's name."""
+    """One fault: its kind and where: an API call (``Functional.conv2d.30``) or a parameter's name; ``step``:
+    the one training step (from 0) it fires at, None for every step (``...@1`` in ``INJECT_FAULT``)."""
 
     kind: str
     target: str
+    step: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
-        kind, _, target = text.strip().partition(":")
-        if kind not in KINDS or not target:
+        kind, _, where = text.strip().partition(":")
+        target, at, step = where.partition("@")
+        if kind not in KINDS or not target or (at and not step.isdigit()):
             raise pytest.UsageError(
-                f"{ENV}={text!r}: expected op:API.N, backward:API.N or optimizer:PARAMETER "
-                "(e.g. op:Functional.conv2d.30, optimizer:layer1.0.conv1.weight)"
+                f"{ENV}={text!r}: expected op:API.N, backward:API.N or optimizer:PARAMETER, each optionally "
+                "@STEP (e.g. op:Functional.conv2d.30, optimizer:layer1.0.conv1.weight@1)"
             )
-        spec = cls(kind, target)
+        spec = cls(kind, target, int(step) if at else None)
         if kind != "optimizer":
             spec.call()  # checked now: a typo is a usage error, not a fault that never fires
         return spec
@@ -140,7 +144,12 @@ class Injector:
             n = self.calls
             self.calls += 1
             out = original(*args, **kwargs)
-            if n != index or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            if (
+                n != index
+                or not self._now()
+                or not isinstance(out, torch.Tensor)
+                or not out.is_floating_point()
+            ):
                 return out
             if backward:
                 node = out.grad_fn
@@ -167,7 +176,7 @@ class Injector:
             self._model_hook.remove()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self.spec.kind == "optimizer":
+        if self.spec.kind == "optimizer" and self._now():
             param = self._parameter()
             with torch.no_grad():  # a 0-d std on the device: no host sync, no Python float to convert
                 _ADD_(param, _STD(param), alpha=UPDATE_SCALE)
@@ -190,6 +199,10 @@ class Injector:
                 )
             self._param = params[self.spec.target]
         return self._param
+
+    def _now(self) -> bool:
+        """Whether the fault fires at this training step."""
+        return self.spec.step is None or self.spec.step == self.step
 
     def _fired(self, at: str) -> None:
         self.fired.append({"step": self.step, "at": at})

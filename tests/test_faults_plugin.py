@@ -74,6 +74,19 @@ def test_op_fault_scales_one_call_of_each_step_and_keeps_its_node(install, fault
     assert F.linear is original
 
 
+def test_a_fault_at_one_step_fires_at_that_step_only(install, faults: ModuleType) -> None:
+    original = F.linear
+    x, w = torch.randn(4, 3), torch.randn(5, 3, requires_grad=True)
+    clean = original(x, w)
+    injector = install("op:Functional.linear.1@1")
+    opt = torch.optim.SGD([w], lr=0.0)
+    for step in range(3):
+        outs = _linear_calls(x, w, 3)
+        assert torch.equal(outs[1], clean * (1 + faults.OP_SCALE) if step == 1 else clean)
+        opt.step()
+    assert injector.fired == [{"step": 1, "at": "Functional.linear.1.forward"}]
+
+
 def test_backward_fault_scales_what_the_calls_backward_gives_out_only(install, faults: ModuleType) -> None:
     x = torch.randn(4, 3, requires_grad=True)
     w = torch.randn(5, 3, requires_grad=True)
@@ -112,6 +125,8 @@ def test_optimizer_fault_moves_the_named_weight_after_each_step(install, faults:
         "sideways:Functional.linear.1",
         "optimizer:",
         "op",
+        "op:Functional.linear.1@",
+        "op:Functional.linear.1@one",
     ],
 )
 def test_a_fault_that_names_nothing_is_a_usage_error(faults: ModuleType, text: str) -> None:
