@@ -2,8 +2,9 @@
 
 The pytest plugin runs it on a test's baseline before the test body, so that an unusable baseline is an ERROR
 of the test's setup rather than a failure after minutes of training; it must therefore be cheap. It walks
-every dump.json with the same record checks as :func:`~pytest_msprobe.compare.records.read_dump` but builds no
-rows (about half the cost), and opens every referenced tensor file only as far as its header (the pickle of a
+every dump.json (and our sidecars beside it: checklist.json, optimizer.json) with the same record checks as
+:func:`~pytest_msprobe.compare.records.read_dump` but builds no rows (about half the cost), and opens every
+referenced tensor file only as far as its header (the pickle of a
 torch archive, the header of a .npy): never its values.
 
 It raises exactly the :class:`~pytest_msprobe.errors.DumpFormatError` a compare of the dump would raise for
@@ -31,6 +32,7 @@ from pytest_msprobe.format.checklist import read_checklist
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.layout import DumpLocation, discover
 from pytest_msprobe.format.names import is_parameters_grad
+from pytest_msprobe.format.optimizer import optimizer_path, read_optimizer
 
 # the keys of an entry whose values are rows (as flatten_entry reads them)
 _ROW_KEYS = ("input_args", "input_kwargs", "input", "parameters", "output")
@@ -81,7 +83,13 @@ def validate(path: str | os.PathLike[str]) -> DumpCheck:
                 _scan_entry(name, body, tensors, md5)
             except (TypeError, ValueError, KeyError, RecursionError) as exc:
                 raise DumpFormatError(location.path, _problem(name, body, exc)) from None
-        read_checklist(location.path.parent)  # our sidecar, when there: broken is unusable too
+        read_checklist(location.path.parent)  # our sidecars, when there: broken is unusable too
+        for step in read_optimizer(location.path) or ():
+            for name, body in step.records.items():  # the updates' records and their tensor files
+                try:
+                    _scan_entry(name, body, tensors, [])
+                except (TypeError, ValueError, KeyError, RecursionError) as exc:
+                    raise DumpFormatError(optimizer_path(location.path), _problem(name, body, exc)) from None
         headers.append(DumpHeader(location, task, level, bool(md5)))
         if tensors:
             dump = Dump(location, task, level, False, ())

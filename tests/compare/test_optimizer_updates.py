@@ -153,12 +153,28 @@ def test_implementations_pair_by_parameter(
 
 
 def test_same_implementation_pairs_call_by_call(runs: Callable[..., Path], tmp_path: Path) -> None:
-    """Both sides foreach: the decomposed calls pair as they are, and no update entry is added."""
+    """Both sides foreach: the decomposed calls pair as they are, and both sidecars' updates follow them, whole."""
     again = train(tmp_path / "again", "foreach")
     result = compare(again, runs("foreach"), jobs=1)
     assert_paired_whole(result)
-    assert not updates(result)
     assert any(api.api.startswith("Torch._foreach_add_") for api in result.apis)
+    found = updates(result)
+    assert len(found) == 12 and all(api.bench_api == api.api for api in found)
+    for api in found:  # after every call of its step's optimizer
+        step_calls = [a for a in result.apis if a.step == api.step and a.api.startswith("Torch._foreach_")]
+        assert all(a.order < api.order for a in step_calls)
+    rows = {r.row.split(".forward", 1)[1] for r in result.rows if r.row.startswith("Optimizer.fc.weight.0.")}
+    assert {".input.param", ".input.grad", ".output.param", ".output.momentum_buffer"} <= rows
+
+
+def test_same_implementation_without_both_sidecars_adds_no_update(runs: Callable[..., Path], tmp_path: Path) -> None:
+    """An older baseline without optimizer.json and the same calls: they pair call by call, nothing is added."""
+    again = train(tmp_path / "again", "foreach")
+    for sidecar in again.glob("**/optimizer.json"):
+        sidecar.unlink()
+    result = compare(runs("foreach"), again, jobs=1)
+    assert_paired_whole(result)
+    assert not updates(result)
 
 
 # ------------------------------------------------------------------------- dumps without optimizer.json
@@ -330,3 +346,26 @@ def test_the_sidecar_is_checked(runs: Callable[..., Path], tmp_path: Path) -> No
     path.write_text(json.dumps(doc))
     with pytest.raises(DumpFormatError, match=r"optimizer\.json.*'implementation' 'turbo'"):
         compare(broken, runs("single"), jobs=1)
+
+
+def test_a_baseline_check_reads_the_updates_and_their_tensor_files(tmp_path: Path) -> None:
+    """The check run on a baseline before the test body (validate) holds optimizer.json to what the compare
+    needs: its records, and the header of every tensor file they name; a problem names the file."""
+    from pytest_msprobe.compare.validate import validate
+    from pytest_msprobe.errors import DumpFormatError
+
+    dump = train(tmp_path / "dump", "single", task="tensor")
+    names = sorted(p.name for p in dump.glob("step0/rank/dump_tensor_data/Optimizer.*.pt"))
+    assert names and validate(dump).tensor_files > len(names)
+    tensor = dump / "step0" / "rank" / "dump_tensor_data" / names[0]
+    whole = tensor.read_bytes()
+    tensor.write_bytes(whole[:100])
+    with pytest.raises(DumpFormatError) as caught:
+        validate(dump)
+    assert Path(caught.value.path) == tensor
+    tensor.write_bytes(whole)
+    sidecar = dump / "step1" / "rank" / "optimizer.json"
+    sidecar.write_text(sidecar.read_text()[:200])
+    with pytest.raises(DumpFormatError) as caught:
+        validate(dump)
+    assert Path(caught.value.path) == sidecar
