@@ -2,6 +2,8 @@
 # The GPU checks in one go, on a machine with an NVIDIA GPU and this repository copied there (no network needed):
 #
 #   1. env         the python, torch, the GPU (nvidia-smi, torch.cuda)
+#   1b. tf32-rounding  which rounding the device's TF32 matmuls and convolutions do (bench/tf32_rounding.py): the
+#                  self-check's emulation of a declared TF32 policy rounds to nearest, ties to even
 #   2. cuda-tests  the tests that are skipped without CUDA (pytest -k cuda over the files that check for it)
 #   3. regen       the ResNet50 example's baseline written on the GPU: examples/resnet50/baselines/cuda
 #   4. compare     a CUDA run of the example compared with the CPU baseline shipped with it, with the fixture's
@@ -147,6 +149,9 @@ if torch.cuda.is_available():
     for m in torchvision pytest numpy openpyxl msprobe; do "$1" -c "import $m; print(\"$m\", getattr($m, \"__version__\", \"?\"))" 2>&1 | tail -1; done
     true
 ' _ "$PY"
+
+# -- 1b. how the device rounds TF32 operands (the self-check's emulation rounds to nearest, ties to even) -----
+run_stage tf32-rounding 30 "$PY" bench/tf32_rounding.py --json "$OUTDIR/tf32_rounding.json"
 
 # -- 2. the tests skipped without CUDA -------------------------------------------------------------------------
 # (they check torch.cuda.is_available(): tests/test_device.py, tests/dump/test_devices.py,

@@ -116,7 +116,8 @@ def fired_at(out: Path, name: str) -> list[dict[str, Any]] | None:
 
 def named_where_made(fault: str, fired: list[dict[str, Any]] | None, doc: dict[str, Any] | None) -> str:
     """Whether the first divergence is where the fault was made: its call at the first step it fired (op,
-    backward), or the weight itself (optimizer); "no" names what was named instead elsewhere in the row."""
+    backward), or the weight: its update at the first step it fired, or the weight itself before the next step
+    (optimizer); "no" names what was named instead elsewhere in the row."""
     if not fault:
         return ""
     if not fired or doc is None:
@@ -124,7 +125,9 @@ def named_where_made(fault: str, fired: list[dict[str, Any]] | None, doc: dict[s
     fd = doc.get("first_divergence") or {}
     kind, _, target = fault.partition(":")
     if kind == "optimizer":
-        return "yes" if fd.get("kind") == "parameter" and fd.get("name") == target else "no"
+        update = fd.get("api") == f"Optimizer.{target}.0.forward" and fd.get("step") == fired[0]["step"]
+        weight = fd.get("kind") == "parameter" and fd.get("name") == target
+        return "yes" if update or weight else "no"
     first = fired[0]
     return "yes" if fd.get("api") == first["at"] and fd.get("step") == first["step"] else "no"
 
@@ -220,6 +223,10 @@ def render(out: Path, device: str, seconds: str) -> str:
         tables = bench_tables(out, name)
         if tables is not None:
             lines += [tables, ""]
+
+    lines += ["## How the device rounds TF32 operands (bench/tf32_rounding.py)", ""]
+    log = out / "tf32-rounding.log"
+    lines += [log.read_text().strip() if log.exists() else "no result (the stage did not run)", ""]
 
     lines += ["## Where a dumped step's time goes", ""]
     log = out / "breakdown.log"

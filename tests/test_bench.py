@@ -44,11 +44,11 @@ def test_dump_overhead_quick_run_reports_each_loop(tmp_path: Path) -> None:
     assert all("msprobe" not in row for row in rows.values())
     stats = rows["statistics_L1"]["ours"]
     assert len(stats["step_ms"]) == 6 and stats["ratio"] > 0
-    # dump.json, stack.json, construct.json and the checklist of the width-8 TinyResNet's step
-    assert stats["files"] == 4 and stats["tensor_files"] == 0 and stats["records"] > 50
+    # dump.json, stack.json, construct.json, the checklist and optimizer.json of the width-8 TinyResNet's step
+    assert stats["files"] == 5 and stats["tensor_files"] == 0 and stats["records"] > 50
     tensor = rows["tensor_L1"]["ours"]
     assert tensor["tensor_files"] == tensor["tensors"] > 100
-    assert tensor["files"] == tensor["tensor_files"] + 4
+    assert tensor["files"] == tensor["tensor_files"] + 5
     assert 0 < tensor["tensor_bytes"] <= tensor["bytes"]
     assert tensor["write_one_file_ms"] > 0 and tensor["torch_save_files_ms"] > 0
     assert tensor["tensor_limit_ms"] == pytest.approx(
@@ -81,7 +81,9 @@ def test_breakdown_accounts_for_the_dumped_step(tmp_path: Path) -> None:
     assert sizes["<= 4K (copied, reduced at flush)"]["tensors"] > 100 and sizes["> 1M"]["tensors"] == 0
     total = sum(v["ms"] for v in sizes.values())
     assert parts["statistics' reductions"]["ms"] == pytest.approx(total)
-    assert parts["recorded calls"]["note"] == "91 a step" and parts["tensor items"]["note"] == "326 a step"
+    # 326 items of the recorded calls, and 4 of each of its 20 parameters' updates (the weight and its gradient
+    # before, the weight and its momentum buffer after)
+    assert parts["recorded calls"]["note"] == "91 a step" and parts["tensor items"]["note"] == "406 a step"
     # each dumped step's files were written once, inline or on the writer thread, and took CPU time
     jobs = found["writer_jobs"]
     assert sorted(job["step"] for job in jobs) == [2, 3] and all(job["cpu_ms"] > 0 for job in jobs)
@@ -154,6 +156,7 @@ def test_device_check_summary_tells_whether_each_fault_is_named_where_it_was_mad
         "tr-clean\ttransformer\t\ntr-op\ttransformer\top:Functional.linear.8\n"
         "tr-backward\ttransformer\tbackward:Functional.gelu.1\ntr-optimizer\ttransformer\toptimizer:fc.weight\n"
         "tr-missed\ttransformer\top:Functional.linear.99\n"
+        "tr-update\ttransformer\toptimizer:fc.weight\n"
     )
     _stage(tmp_path, "tr-clean", "passed", {"counts": {**counts, "apis_error": 0}, "first_divergence": None})
     fired_op = [
@@ -171,6 +174,13 @@ def test_device_check_summary_tells_whether_each_fault_is_named_where_it_was_mad
     fired_w = [{"step": 0, "at": "fc.weight (after optimizer.step())"}]
     _stage(tmp_path, "tr-optimizer", "failure", {"counts": counts, "first_divergence": weight}, fired_w)
     _stage(tmp_path, "tr-missed", "passed", {"counts": counts, "first_divergence": None}, [])
+    update = {
+        "kind": "api",
+        "api": "Optimizer.fc.weight.0.forward",
+        "step": 0,
+        "reason": "the error enters here",
+    }
+    _stage(tmp_path, "tr-update", "failure", {"counts": counts, "first_divergence": update}, fired_w)
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "device_check_summary.py"), str(tmp_path), "cuda", "300"],
         capture_output=True,
@@ -192,5 +202,9 @@ def test_device_check_summary_tells_whether_each_fault_is_named_where_it_was_mad
     assert "| parameter fc.weight (before step 1): " in rows["tr-optimizer"]
     assert rows["tr-optimizer"].endswith("| yes |")
     assert "| never fired | passed |" in rows["tr-missed"] and rows["tr-missed"].endswith("| no result |")
+    # a weight's update named at the step the fault fired is where it was made too
+    assert "| Optimizer.fc.weight.0.forward (step 0): " in rows["tr-update"] and rows["tr-update"].endswith(
+        "| yes |"
+    )
     assert "| tr-op | exit 1 | 8 |" in run.stdout  # the stage table
     assert "no result (see cuda-tests.log)" in run.stdout  # a stage that left nothing

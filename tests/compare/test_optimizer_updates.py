@@ -167,7 +167,9 @@ def test_same_implementation_pairs_call_by_call(runs: Callable[..., Path], tmp_p
     assert {".input.param", ".input.grad", ".output.param", ".output.momentum_buffer"} <= rows
 
 
-def test_same_implementation_without_both_sidecars_adds_no_update(runs: Callable[..., Path], tmp_path: Path) -> None:
+def test_same_implementation_without_both_sidecars_adds_no_update(
+    runs: Callable[..., Path], tmp_path: Path
+) -> None:
     """An older baseline without optimizer.json and the same calls: they pair call by call, nothing is added."""
     again = train(tmp_path / "again", "foreach")
     for sidecar in again.glob("**/optimizer.json"):

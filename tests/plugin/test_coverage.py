@@ -138,7 +138,9 @@ def test_an_l1_run_against_an_l0_baseline_fails(pytester: pytest.Pytester) -> No
     result.assert_outcomes(failed=1)
     # the module records have no partner; only the optimizer's updates (optimizer.json on both sides) pair
     result.stdout.fnmatch_lines(["*msprobe: too little compared: * (* of * rows, *%) found no partner*"])
-    result.stdout.fnmatch_lines(["*first baseline calls without a partner (execution order): Module.conv.Conv2d*"])
+    result.stdout.fnmatch_lines(
+        ["*first baseline calls without a partner (execution order): Module.conv.Conv2d*"]
+    )
 
 
 @pytest.mark.parametrize(
