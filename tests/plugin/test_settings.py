@@ -216,7 +216,8 @@ RANKS_TEST = textwrap.dedent(
     import pytest
     import torch
 
-    torch.set_float32_matmul_precision("high")
+    if "RANK" in os.environ:  # in the rank processes only: pytest's own process imports this module too
+        torch.set_float32_matmul_precision("high")
 
 
     @pytest.mark.msprobe(world_size=2)
@@ -236,6 +237,7 @@ RANKS_TEST = textwrap.dedent(
 def test_every_rank_of_a_multi_rank_test_gets_the_same(
     pytester: pytest.Pytester, flags: list[str], expected: tuple[bool, str]
 ) -> None:
-    pytester.makepyfile(test_ranks=RANKS_TEST.replace("EXPECTED", repr(expected)))
+    # (a name of its own: tests/plugin/test_ranks.py may be imported in this process already)
+    pytester.makepyfile(test_tf32_ranks=RANKS_TEST.replace("EXPECTED", repr(expected)))
     result = pytester.runpytest(*BASE, *flags)
     result.assert_outcomes(passed=1)
