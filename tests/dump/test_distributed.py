@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
 import textwrap
 import zlib
@@ -18,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.processes import children
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp" / "train_ddp.py"
@@ -309,20 +310,6 @@ EARLY_FAILURE = textwrap.dedent(
 )
 
 
-def _children() -> list[int]:
-    """Processes whose parent is this one (Linux /proc): a rank left behind would be one."""
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
 @pytest.mark.parametrize(
     ("how", "headline", "error"),
@@ -349,7 +336,7 @@ def test_example_launcher_stops_every_rank_when_one_fails_before_joining(
     assert lines[0] == headline  # not the timeout's "still running after 300 s"
     assert lines[1] == "rank 1's error output (end):" and error in message
     assert failure.value.status == (3 if how in ("exits", "ignores-sigterm") else 1)
-    assert _children() == []  # rank 0, blocked in the rendezvous, was stopped and reaped
+    assert children() == []  # rank 0, blocked in the rendezvous, was stopped and reaped
 
 
 def test_example_refuses_more_ranks_than_devices(

@@ -16,10 +16,9 @@ import torch.nn.functional as F
 
 from pytest_msprobe import PrecisionDebugger, seed_all
 from pytest_msprobe.errors import ConfigError
-from pytest_msprobe.format.layout import discover
-from pytest_msprobe.format.own_errors import CallOwn, read_own_errors
 from pytest_msprobe.replay import pristine
 from pytest_msprobe.replay.offline import replay_dump
+from tests.dump.self_check_sidecars import sidecar_calls
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,17 +57,8 @@ def _train(root: Path, steps: tuple[int, ...] = (0, 1), total: int = 2, **settin
     return root
 
 
-def _sidecars(root: Path) -> dict[tuple[int | None, str], CallOwn]:
-    calls = {}
-    for location in discover(root):
-        own = read_own_errors(location.path)
-        assert own is not None, f"no sidecar beside {location.path}"
-        calls.update({(location.step, name): call for name, call in own.items()})
-    return calls
-
-
 def _out_of_line(root: Path) -> set[tuple[int | None, str]]:
-    return {key for key, call in _sidecars(root).items() if call.out_of_line}
+    return {key for key, call in sidecar_calls(root).items() if call.out_of_line}
 
 
 def _noisy_relu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,7 +98,7 @@ def test_a_statistics_dump_gets_sidecars_and_keeps_its_files_as_they_are(tmp_pat
         stacks = [json.loads((root / f"step{step}/rank/stack.json").read_text()) for root in (plain, checked)]
         assert stacks[0].keys() == stacks[1].keys()  # (their last frames, _train's callers, differ)
         assert not (plain / f"step{step}" / "rank" / "self_check.json").exists()
-    calls = _sidecars(checked)
+    calls = sidecar_calls(checked)
     data = json.loads((checked / "step0" / "rank" / "dump.json").read_text())["data"]
     assert [name for (step, name) in calls if step == 0] == list(data)  # every record, in the dump's order
     doc = json.loads((checked / "step0" / "rank" / "self_check.json").read_text())
@@ -134,7 +124,7 @@ def test_the_online_check_gives_the_offline_replays_verdicts(
 ) -> None:
     clean = _train(tmp_path / "clean", task="tensor", self_check=True)
     offline = replay_dump(clean)
-    online = _sidecars(clean)
+    online = sidecar_calls(clean)
     assert {(c.step, c.name) for c in offline.calls} == set(online)
     for call in offline.calls:  # the same calls replayed, the same skipped for the same reason
         mine = online[(call.step, call.name)]
@@ -160,7 +150,7 @@ def test_the_replay_runs_torchs_relu_not_the_faulty_one_in_its_place(
     _noisy_relu(monkeypatch)
     dump = _train(tmp_path / "dump", steps=(1,), self_check=True)
     assert _out_of_line(dump) == {(1, "Functional.relu.0.forward")}
-    own = _sidecars(dump)[(1, "Functional.relu.0.forward")].outputs[0]
+    own = sidecar_calls(dump)[(1, "Functional.relu.0.forward")].outputs[0]
     assert own is not None and own.rel_share > 0.1 and "more than 0.001 off" in own.reason
 
 
@@ -170,7 +160,7 @@ def test_a_gradient_that_is_off_is_named_by_its_backward_record(
     monkeypatch.setattr(F, "relu", _OffGradient.apply)
     dump = _train(tmp_path / "dump", steps=(2, 3), total=4, self_check=True)  # from the middle of the run
     assert _out_of_line(dump) == {(2, "Functional.relu.0.backward"), (3, "Functional.relu.0.backward")}
-    forward = _sidecars(dump)[(2, "Functional.relu.0.forward")]
+    forward = sidecar_calls(dump)[(2, "Functional.relu.0.forward")]
     assert not forward.out_of_line and forward.outputs  # the forward is exact
 
 
@@ -200,7 +190,7 @@ def test_a_call_whose_replay_raises_is_skipped_with_the_reason(
 
     pristine.capture()
     monkeypatch.setitem(pristine._CAPTURED["Functional"], "linear", broken)
-    calls = _sidecars(_train(tmp_path / "dump", steps=(0,), self_check=True))
+    calls = sidecar_calls(_train(tmp_path / "dump", steps=(0,), self_check=True))
     for direction in ("forward", "backward"):
         call = calls[(0, f"Functional.linear.0.{direction}")]
         assert call.skipped == "the replay raised RuntimeError: no kernel for this" and not call.outputs
@@ -210,7 +200,7 @@ def test_only_the_records_of_the_dump_are_judged(tmp_path: Path) -> None:
     dump = _train(tmp_path / "dump", steps=(0,), self_check=True, data_mode=["forward"], list=["relu"])
     data = json.loads((dump / "step0/rank/dump.json").read_text())["data"]
     assert list(data) == ["Functional.relu.0.forward"]
-    assert list(_sidecars(dump)) == [(0, "Functional.relu.0.forward")]
+    assert list(sidecar_calls(dump)) == [(0, "Functional.relu.0.forward")]
 
 
 def test_mix_level_judges_the_api_calls_and_leaves_the_modules_out(tmp_path: Path) -> None:
@@ -221,7 +211,7 @@ def test_mix_level_judges_the_api_calls_and_leaves_the_modules_out(tmp_path: Pat
     F.cross_entropy(model(torch.randn(2, 3, 8, 8)), torch.tensor([0, 1])).backward()
     debugger.stop()
     debugger.close()
-    calls = _sidecars(tmp_path / "d")
+    calls = sidecar_calls(tmp_path / "d")
     assert calls and not any(name.startswith("Module.") for _, name in calls)
     assert not calls[(0, "Functional.conv2d.0.backward")].skipped
 

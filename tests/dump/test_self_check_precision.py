@@ -19,11 +19,11 @@ from torch import nn
 from pytest_msprobe import PrecisionDebugger, seed_all
 from pytest_msprobe.cli import main
 from pytest_msprobe.compare.own import check_dump
-from pytest_msprobe.format.layout import discover
-from pytest_msprobe.format.own_errors import CallOwn, read_own_errors
+from pytest_msprobe.format.own_errors import CallOwn
 from pytest_msprobe.format.precision import kind_of
 from pytest_msprobe.replay.offline import replay_dump
 from tests.devices import Fault, Simulation, simulated_device, simulated_tf32  # noqa: F401 (a fixture)
+from tests.dump.self_check_sidecars import sidecar_calls
 
 STEPS = (0, 1)
 
@@ -105,15 +105,6 @@ def _train(
     return root
 
 
-def _calls(root: Path) -> dict[tuple[int | None, str], CallOwn]:
-    calls = {}
-    for location in discover(root):
-        own = read_own_errors(location.path)
-        assert own is not None, f"no sidecar beside {location.path}"
-        calls.update({(location.step, name): call for name, call in own.items()})
-    return calls
-
-
 def _out_of_line(calls: dict[tuple[int | None, str], CallOwn]) -> set[tuple[int | None, str]]:
     return {key for key, call in calls.items() if call.out_of_line}
 
@@ -136,7 +127,7 @@ def test_a_device_computing_in_tf32_as_it_declares_is_in_line(tmp_path: Path, mo
     with simulated_tf32() as sim:
         root = _train(tmp_path / "dump", model)
     assert sim.kernels is not None and sim.kernels.rounded > 0
-    calls = _calls(root)
+    calls = sidecar_calls(root)
     assert not _out_of_line(calls)
     for step in STEPS:
         for name in GOVERNED[model]:
@@ -158,7 +149,7 @@ def test_the_same_rounding_undeclared_puts_the_convolutions_and_matmuls_out_of_l
 ) -> None:
     with simulated_tf32(declare=False):
         root = _train(tmp_path / "dump", model)
-    calls = _calls(root)
+    calls = sidecar_calls(root)
     found = {name for _, name in _out_of_line(calls)}
     forward = {name for name in GOVERNED[model] if name.endswith(".forward")}
     if model == "cnn":  # the head's one linear of 4x8: its 20 outputs may all be within 0.1%
@@ -190,7 +181,7 @@ def test_a_fault_under_tf32_is_out_of_line_at_its_call(
     sim = simulated_device(inject=fault)
     root = _train(tmp_path / "dump", model)
     assert sim.fired == [fault.record] * len(STEPS)
-    assert _out_of_line(_calls(root)) == {(step, fault.record) for step in STEPS}
+    assert _out_of_line(sidecar_calls(root)) == {(step, fault.record) for step in STEPS}
     result = check_dump(root)  # the gate's own-error verdicts (compare/own.py)
     assert [(c.step, c.name) for c in result.out_of_line] == [(step, fault.record) for step in STEPS]
 
@@ -198,7 +189,7 @@ def test_a_fault_under_tf32_is_out_of_line_at_its_call(
 @pytest.mark.parametrize("model", ["cnn", "transformer"])
 def test_bfloat16_autocast_on_the_cpu_is_in_line(tmp_path: Path, model: str) -> None:
     root = _train(tmp_path / "dump", model, autocast=torch.bfloat16)
-    calls = _calls(root)
+    calls = sidecar_calls(root)
     assert not _out_of_line(calls)
     # every call autocast casts from float32 is replayed from its inputs cast to bfloat16
     emulated = {name for (_, name), call in calls.items() if call.emulated == "bfloat16"}
@@ -212,7 +203,7 @@ def test_bfloat16_autocast_on_the_cpu_is_in_line(tmp_path: Path, model: str) -> 
 
 
 def _agree(root: Path) -> None:
-    online = _calls(root)
+    online = sidecar_calls(root)
     offline = replay_dump(root)
     assert {(c.step, c.name) for c in offline.calls} == set(online)
     for call in offline.calls:

@@ -20,6 +20,7 @@ from pytest_msprobe.options import resolve_test
 from pytest_msprobe.run.launcher import RankExit, device_shortage, run_processes
 from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
 from pytest_msprobe.run.settings import DEFAULT_RANK_TIMEOUT
+from tests.processes import children
 
 BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
 
@@ -112,20 +113,6 @@ BAD_RANKS = textwrap.dedent(
 )
 
 
-def _children() -> list[int]:
-    """Processes whose parent is this one (Linux /proc): a rank left behind would be one."""
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
-                found.append(int(entry.name))
-    return found
-
-
 def _properties(xml: Path) -> dict[str, str]:
     case = ET.parse(xml).getroot().find(".//testcase")
     assert case is not None
@@ -186,7 +173,7 @@ def test_two_gloo_ranks_regen_pass_and_a_fault_on_rank_one_names_rank_one(
     assert "Functional.relu.1.forward" not in rank0
     assert (kept / "dump" / "step0" / "rank1" / "dump.json").is_file()  # a failure keeps every rank's dump
     assert (kept / "ranks" / "rank1.log").is_file()
-    assert _children() == []
+    assert children() == []
 
 
 XDIST = textwrap.dedent(
@@ -245,7 +232,7 @@ def test_a_hanging_rank_is_stopped_at_the_timeout_with_every_rank_stack(pytester
     report = out[out.index(" FAILURES ") : out.index(" short test summary info ")]
     report = report.split(" warnings summary ")[0]  # pytest's own warnings may name _pytest files
     assert "rank 1's Python stacks" in report and "_pytest" not in report  # the test's frames, not pytest's
-    assert _children() == []
+    assert children() == []
 
 
 # rank 1 fails before it joins the process group (as on a machine without its device); rank 0 joins and waits
@@ -284,7 +271,7 @@ def test_a_rank_failing_before_the_process_group_stops_the_others_with_its_error
         ]
     )
     assert "did not finish within" not in result.stdout.str()  # ended by rank 1's failure, not the timeout
-    assert _children() == []
+    assert children() == []
 
 
 def test_a_multi_rank_test_skips_with_fewer_devices_than_ranks(
@@ -371,7 +358,7 @@ def test_run_processes_stops_the_others_when_one_fails(tmp_path: Path) -> None:
     assert (ends[0].status, ends[0].order, ends[0].timed_out) == (3, 0, False)
     # stopped as torchrun stops a rank: SIGTERM first, which a rank blocked in a collective dies of
     assert (ends[1].status, ends[1].order, ends[1].timed_out) == (-signal.SIGTERM, -1, False)
-    assert _children() == []
+    assert children() == []
 
 
 @pytest.mark.skipif(os.name != "posix", reason="process groups and signals")
@@ -383,7 +370,7 @@ def test_run_processes_kills_what_ignores_sigterm_after_the_grace(tmp_path: Path
     )
     assert (ends[0].status, ends[0].order) == (3, 0)
     assert (ends[1].status, ends[1].order, ends[1].timed_out) == (-signal.SIGKILL, -1, False)
-    assert _children() == []
+    assert children() == []
 
 
 @pytest.mark.skipif(os.name != "posix", reason="process groups and signals")
@@ -400,7 +387,7 @@ def test_run_processes_reaps_every_process_on_keyboard_interrupt(tmp_path: Path)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-    assert _children() == []
+    assert children() == []
 
 
 def _exit(rank: int, status: int = 0, order: int = 0, outcome: str = "passed", **more: Any) -> RankExit:

@@ -1,0 +1,20 @@
+"""The processes a test started and left behind (Linux /proc), for the tests of rank launchers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def children() -> list[int]:
+    """Processes whose parent is this one: a rank left behind would be one."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                found.append(int(entry.name))
+    return found
