@@ -50,7 +50,7 @@ from pytest_msprobe.compare.records import (
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.checklist import read_checklist
 from pytest_msprobe.format.layout import CONSTRUCT_JSON
-from pytest_msprobe.format.names import OPTIMIZER_NODE, parse_name
+from pytest_msprobe.format.names import BACKWARD, OPTIMIZER_NODE, parse_name
 from pytest_msprobe.format.optimizer import (
     FOREACH,
     FUSED,
@@ -160,6 +160,18 @@ class _Side:
         for update in found or ():
             update.stack = step.stack
         return found or None
+
+    def unrecorded(self) -> bool:
+        """Whether this side's optimizer may have stepped without a call recorded: a dump without optimizer.json
+        (ours write one, steps or none) whose backward ran, and whose checklist, if any, saw an optimizer step.
+        A run that skipped its backward or its optimizer.step() is not such a side: its calls stay unmatched."""
+        if self.sidecar is not None or not any(e.parts.direction == BACKWARD for e in self.dump.entries):
+            return False
+        try:
+            doc = read_checklist(self.dump.path)
+        except DumpFormatError:
+            return False
+        return doc is None or bool(doc.get("optimizers"))
 
     def checklist_parameters(self) -> list[tuple[str, tuple[int, ...]]] | None:
         """The model's parameters in model order with their shapes, from the side's checklist.json."""
@@ -336,7 +348,9 @@ def plan_updates(target: Dump, baseline: Dump) -> UpdatePlan:
     opaque: set[str] = set()
     stacks: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]] = ({}, {})
     where = _where(target)
-    if t_calls != b_calls:
+    if t_calls != b_calls and bool(t.steps) != bool(b.steps) and (t if not t.steps else b).unrecorded():
+        _nothing_recorded(t, b, removed, notes, where)
+    elif t_calls != b_calls:
         counts: tuple[dict[str, int], dict[str, int]] = ({}, {})
         for ts, bs in zip(t.steps, b.steps):
             removed[0].update(ts.calls)
@@ -389,6 +403,24 @@ def plan_updates(target: Dump, baseline: Dump) -> UpdatePlan:
         tuple(notes),
         stacks[0],
         stacks[1],
+    )
+
+
+def _nothing_recorded(
+    t: _Side, b: _Side, removed: tuple[set[int], set[int]], notes: list[str], where: str
+) -> None:
+    """One side's optimizer made calls and the other's made none that were recorded: plain msprobe records
+    neither torch._foreach_* nor fused kernels (26.x), and a dump without optimizer.json has nothing else to
+    tell its updates by. The calls are set aside, with a line; the weights they left are read by the next
+    dumped step's calls."""
+    made, lacking = (b, "target") if not t.steps else (t, "baseline")
+    calls = sorted(i for step in made.steps for i in step.calls)
+    removed[0 if made is t else 1].update(calls)
+    other = "baseline" if lacking == "target" else "target"
+    notes.append(
+        f"{where}: the {lacking}'s optimizer records no call (msprobe records neither torch._foreach_* nor fused "
+        f"kernels, and the dump has no optimizer.json): the {other}'s {len(calls)} optimizer calls set aside, not "
+        "compared; the weights they left are judged where a later dumped step reads them (none after the last)"
     )
 
 

@@ -371,3 +371,39 @@ def test_a_baseline_check_reads_the_updates_and_their_tensor_files(tmp_path: Pat
     with pytest.raises(DumpFormatError) as caught:
         validate(dump)
     assert Path(caught.value.path) == sidecar
+
+
+# --------------------------------------------------------------------------------- plain msprobe's own dumps
+MSPROBE = Path(__file__).resolve().parents[1] / "data" / "msprobe" / "msprobe-26.2.0" / "dumps"
+
+
+def test_msprobe_records_no_foreach_update_and_its_single_tensor_one_is_set_aside() -> None:
+    """Real msprobe 26.2.0 dumps: a foreach run records no optimizer call at all, the single-tensor bench 20 and 60
+    (steps 0, 1). Against each other no row is unmatched for it: the bench's calls are set aside with a line per
+    step, and the relu fault of the other foreach run is still named where it enters."""
+    clean = compare(MSPROBE / "foreach" / "stat_L1", MSPROBE / "bench" / "stat_L1", jobs=1)
+    assert clean.passed and clean.counts()["unmatched"] == 0
+    assert [note.split(":", 1)[0] for note in clean.set_aside] == ["step 0, rank 0", "step 1, rank 0"]
+    assert "the target's optimizer records no call" in clean.set_aside[0]
+    assert "the baseline's 20 optimizer calls set aside" in clean.set_aside[0]
+    faulty = compare(MSPROBE / "foreach_npu" / "stat_L1", MSPROBE / "bench" / "stat_L1", jobs=1)
+    assert not faulty.passed and faulty.coverage.passed
+    fd = faulty.first_divergence
+    assert fd is not None and (fd.api, fd.step, fd.rule) == ("Functional.relu.2.forward", 0, "enters")
+
+
+def test_a_plain_dump_that_skipped_its_backward_and_step_leaves_the_optimizer_unmatched(
+    tmp_path: Path,
+) -> None:
+    """No optimizer call and no backward either: the run did not train (skipped backward() and step()), which
+    no implementation explains; the bench's optimizer calls stay without a partner and the coverage fails."""
+    skipped = tmp_path / "forward_only"
+    shutil.copytree(MSPROBE / "foreach" / "stat_L1", skipped)
+    for path in skipped.glob("**/dump.json"):
+        doc = json.loads(path.read_text())
+        doc["data"] = {name: body for name, body in doc["data"].items() if not name.endswith(".backward")}
+        path.write_text(json.dumps(doc))
+    result = compare(skipped, MSPROBE / "bench" / "stat_L1", jobs=1)
+    assert not result.coverage.passed and not result.set_aside
+    first = result.apis[result.coverage.first_unmatched[0]]
+    assert first.api.endswith(".backward") or first.api.startswith("Tensor.")
