@@ -9,7 +9,7 @@ What it changes, exactly, while it is active:
 
 - **The kernels.** A ``TorchDispatchMode``, entered on the thread that starts the simulation (where the
   training and, on the CPU, its backward run), rounds float32 operands to TF32's 10 mantissa bits (to nearest,
-  ties to even, as ``pytest_msprobe.dump.precision.round_mantissa`` does) where they reach a kernel:
+  ties to even, as ``pytest_msprobe.replay.emulate.round_mantissa`` does) where they reach a kernel:
   ``aten.convolution`` (input, weight; the bias is added as it is), ``aten.convolution_backward`` (the
   incoming gradient, input, weight; the bias's gradient is summed from the incoming gradient as it came),
   ``aten.mm`` and ``aten.bmm`` (both operands), ``aten.addmm``/``baddbmm``/``addbmm`` and their in-place forms

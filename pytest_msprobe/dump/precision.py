@@ -1,12 +1,10 @@
-"""torch's numeric switches as this process has them, the numerics policy they give (see
-:mod:`pytest_msprobe.format.precision`), and the rounding that emulates a reduced float32 format.
+"""torch's numeric switches as this process has them, and the numerics policy they give (see
+:mod:`pytest_msprobe.format.precision`; the rounding that emulates a reduced format is the replay's,
+:func:`pytest_msprobe.replay.emulate.round_mantissa`).
 
 - :func:`switches`: every switch that changes the numbers of a float32 run (what the checklist records);
 - :func:`training_device`: the device type a step trains on (the policy's device);
 - :func:`current_policy`: the policy of a device now, with the autocast dtype in force where it is called;
-- :func:`round_mantissa`: a float32 (or float64) tensor rounded to the mantissa of a compute format (TF32's 10
-  bits, HF32's, bfloat16's 7), to nearest, ties to even, as the tensor cores round their inputs (defined with
-  the replay's emulation of a declared precision, :mod:`pytest_msprobe.replay.emulate`, which rounds with it);
 - :func:`strict_float32`: TF32 and HF32 off (float32 math in float32 on every device), returning what puts the
   switches back.
 """
@@ -21,12 +19,10 @@ import torch
 
 from pytest_msprobe.dump import determinism
 from pytest_msprobe.format.precision import Policy, device_type, policy_from_switches
-from pytest_msprobe.replay.emulate import round_mantissa
 
 __all__ = [
     "autocast_dtype",
     "current_policy",
-    "round_mantissa",
     "strict_float32",
     "switches",
     "training_device",
