@@ -33,11 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msprobe.compare.modules import (
-    gradient_housekeeping,
-    optimizer_step_call,
-    read_construct,
-)
+from pytest_msprobe.compare.modules import gradient_housekeeping, optimizer_step_call, read_construct
 from pytest_msprobe.compare.records import (
     INPUT,
     TENSOR,
@@ -56,6 +52,7 @@ from pytest_msprobe.format.optimizer import (
     FUSED,
     SINGLE_TENSOR,
     UPDATE_PREFIX,
+    optimizer_path,
     read_optimizer,
     update_name,
 )
@@ -71,9 +68,7 @@ class UpdatePlan:
     baseline: tuple[ApiEntry, ...]
     opaque: frozenset[str] = frozenset()  # updates whose inputs are unknown (no gradient nor update kept)
     set_aside: tuple[str, ...] = ()  # one line per thing set aside, neither compared nor unmatched
-    stacks: dict[str, tuple[str, ...]] = field(
-        default_factory=dict
-    )  # the target's updates -> the step's stack
+    stacks: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the target's updates -> their step's
     baseline_stacks: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
@@ -105,6 +100,7 @@ class _Side:
         self.dump = dump
         self.names = [e.name for e in dump.entries]
         self._stacks: dict[str, list[str]] | None = None
+        self._checklist: tuple[bool, dict[str, Any] | None] | None = None
         self.sidecar = read_optimizer(dump.path)
         self.steps = self._find_steps()
 
@@ -149,7 +145,7 @@ class _Side:
                 try:
                     leaves = flatten_entry(name, record)
                 except (TypeError, ValueError, KeyError, RecursionError) as exc:
-                    raise DumpFormatError(self.dump.path.parent / "optimizer.json", str(exc)) from None
+                    raise DumpFormatError(optimizer_path(self.dump.path), str(exc)) from None
                 by_suffix = {leaf.suffix: leaf for leaf in leaves}
                 shape = by_suffix[PARAM_OUT].shape if PARAM_OUT in by_suffix else None
                 out.append(
@@ -167,18 +163,20 @@ class _Side:
         A run that skipped its backward or its optimizer.step() is not such a side: its calls stay unmatched."""
         if self.sidecar is not None or not any(e.parts.direction == BACKWARD for e in self.dump.entries):
             return False
+        readable, doc = self.checklist()
+        return readable and bool(doc is None or doc.get("optimizers"))
+
+    def checklist(self) -> tuple[bool, dict[str, Any] | None]:
+        """(whether the side's checklist.json could be read, its document or None without one), read once."""
         try:
-            doc = read_checklist(self.dump.path)
-        except DumpFormatError:
-            return False
-        return doc is None or bool(doc.get("optimizers"))
+            self._checklist = self._checklist or (True, read_checklist(self.dump.path))
+        except DumpFormatError:  # (the checklist compare reports it)
+            self._checklist = (False, None)
+        return self._checklist
 
     def checklist_parameters(self) -> list[tuple[str, tuple[int, ...]]] | None:
         """The model's parameters in model order with their shapes, from the side's checklist.json."""
-        try:
-            doc = read_checklist(self.dump.path)
-        except DumpFormatError:
-            return None
+        _, doc = self.checklist()
         params = ((doc or {}).get("structure") or {}).get("parameters")
         if not isinstance(params, dict):
             return None
