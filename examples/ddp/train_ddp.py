@@ -408,6 +408,10 @@ def run_rank(args: argparse.Namespace) -> int:
             )
         losses = " ".join(f"{float(v):.6f}" for v in result.losses)
         print(f"rank {result.rank}/{result.world_size}: losses {losses}", flush=True)
+        # every rank leaves together: gloo aborted a rank ("terminate called without an active exception") that
+        # tore its group down while its peer was still using the connections (a rank that failed instead is
+        # stopped by the launcher, so no rank waits here for ever)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
