@@ -4,6 +4,7 @@
     python bench/fault_suite.py --quick --out quick.json    # 9 faults x from0/at1, 3 benign: about 6 min
     python bench/fault_suite.py --faults 'tr.*' --tasks tensor --activations at1
     python bench/fault_suite.py --quick --backend msprobe   # dumped by real msprobe (/tmp/msvenv: torch, mindstudio-probe)
+    python bench/fault_suite.py --quick --plain             # our dumps without our own files (checklist.json, ...)
 
 Each fault of ``bench/fault_cases.py`` (forward, backward, optimizer, in-place and masked ops of a small CNN
 and a small transformer) is injected active from step 0 (``from0``), only at step 1 (``at1``) or only at
@@ -140,10 +141,36 @@ def _dump_json(step: Path) -> Path:
     return found[0]
 
 
+# what pytest-msprobe writes beside msprobe's files: ``--plain`` removes them, as a plain msprobe dump has none
+SIDECARS = ("checklist.json", "self_check.json", "optimizer.json", "replay.json", "trend.json", "trend_rank*.json")
+
+
+def strip_sidecars(path: Path) -> int:
+    """Remove pytest-msprobe's own files from a dump (and the tensor files only they name); how many."""
+    removed = 0
+    for pattern in SIDECARS:
+        for f in path.rglob(pattern):
+            f.unlink()
+            removed += 1
+    for f in path.rglob("dump_tensor_data/Optimizer.*"):  # the tensors of optimizer.json's records
+        f.unlink()
+    return removed
+
+
 def dump(
     fault: fc.Fault, active: tuple[int, ...], task: str, path: Path, args: argparse.Namespace
 ) -> list[tuple[int, str]]:
-    """Dump one run; the faults it fired. msprobe's runs are each a process of ``--msprobe-python``."""
+    """Dump one run; the faults it fired. msprobe's runs are each a process of ``--msprobe-python``. With
+    ``--plain``, the run's dump then loses pytest-msprobe's own files (see :data:`SIDECARS`)."""
+    fired = _dump(fault, active, task, path, args)
+    if args.plain:
+        strip_sidecars(path)
+    return fired
+
+
+def _dump(
+    fault: fc.Fault, active: tuple[int, ...], task: str, path: Path, args: argparse.Namespace
+) -> list[tuple[int, str]]:
     if args.backend == "ours":
         return fc.train(fault, active, task, path)
     fired_json = path.parent / f"{path.name}.fired.json"
@@ -425,6 +452,12 @@ def main() -> None:
         default="/tmp/msvenv/bin/python",
         help="a Python with torch and mindstudio-probe, for --backend msprobe",
     )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="remove pytest-msprobe's own files (checklist.json, self_check.json, optimizer.json, ...) from every "
+        "dump before it is compared: the path of a plain msprobe dump",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="compare processes (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the training runs")
     parser.add_argument(
@@ -470,6 +503,7 @@ def main() -> None:
     if args.out:
         doc = {
             "backend": args.backend,
+            "plain": args.plain,
             "totals": table,
             "seconds": {"total": elapsed, "dumps": dump_s, "compares": compare_s},
             "runs": [asdict(r) for r in runs],
