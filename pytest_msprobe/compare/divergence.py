@@ -17,6 +17,10 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
    ``parameters_grad`` has the inputs of the module's backward. The inputs of a collective are its inputs on
    every rank of its group: an all_reduce whose output differs on rank 0 while rank 0's own input matches
    does not let the error in when rank 1's input already differs.
+1b. *source*: or, when it comes earlier, the earliest call with an input that differs and that no recorded call
+   made (see :mod:`pytest_msprobe.compare.sources`): a weight, a buffer, the data or the output of an operation
+   that is not recorded; the error enters with that input, at its first reader. A weight that drifts (every
+   weight differs a little after an earlier step) is no source, and does not match the baseline as an input.
 2. *structural*: otherwise, when the first error shows at or after a call that reads the output of a call
    only one side makes (an inserted or removed call, see :func:`pytest_msprobe.compare.explain.explain_structural`),
    the earliest such one-side call: the error enters with it. Not when rule 4 would find inputs of other
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pytest_msprobe.compare.records import OUTPUT
 from pytest_msprobe.compare.result import (
@@ -50,6 +54,7 @@ from pytest_msprobe.compare.result import (
     OUT_OF_LINE,
     OVERFLOW,
     ROUNDING,
+    SOURCE,
     STRUCTURAL,
     UNMATCHED,
     ApiResult,
@@ -60,6 +65,7 @@ from pytest_msprobe.compare.result import (
     fmt_number,
     shape_differs,
 )
+from pytest_msprobe.compare.sources import KIND_TEXT, NO_SOURCES, Sources, find_sources
 from pytest_msprobe.format.own_errors import OwnError
 
 # an input whose error exceeds this fraction of its tolerance does not count as matching the baseline (the
@@ -106,12 +112,13 @@ def first_divergence(
             overflow.where,
         )
     own = own or {}
-    calls = _Calls(apis, rows, feeds, opaque, peers or {}, frozenset(noise))
+    calls = _Calls.of(apis, rows, feeds, opaque, peers or {}, frozenset(noise))
     compared = sorted((api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED)
     breaching = [i for _, i in compared if apis[i].output_breach]
-    found = _enters(calls, breaching)
-    out_of_line = min(((apis[i].order, i) for i, v in own.items() if v.out_of_line), default=None)
     failing = self_check or any(apis[i].status == ERROR for _, i in compared)
+    # (an input from outside that differs names where the error enters only where something fails)
+    found = _earliest(apis, _enters(calls, breaching), _source(calls) if failing else None)
+    out_of_line = min(((apis[i].order, i) for i, v in own.items() if v.out_of_line), default=None)
     if (
         out_of_line is not None
         and failing
@@ -150,7 +157,7 @@ def inputs_match(
 ) -> bool:
     """Whether every input of call ``i`` matches the baseline (within a tenth of its tolerance; see rule 1):
     then an output that breaches shows the error entering at this call."""
-    _, _, tainted = _Calls(apis, rows, feeds, opaque, peers, frozenset(noise)).effective_inputs(i)
+    _, _, tainted = _Calls.of(apis, rows, feeds, opaque, peers, frozenset(noise)).effective_inputs(i)
     return not tainted
 
 
@@ -171,11 +178,32 @@ class _Calls:
     opaque: Collection[int]
     peers: Mapping[int, Sequence[int]]
     noise: frozenset[int] = frozenset()
+    sources: Sources = NO_SOURCES
+
+    @classmethod
+    def of(
+        cls,
+        apis: Sequence[ApiResult],
+        rows: Sequence[RowResult],
+        feeds: Mapping[int, Sequence[int]],
+        opaque: Collection[int],
+        peers: Mapping[int, Sequence[int]],
+        noise: frozenset[int],
+    ) -> _Calls:
+        """The calls, with the inputs that came from outside the recorded calls."""
+        calls = cls(apis, rows, feeds, opaque, peers, noise)
+        # (a tensor of another shape is another model's or data's, not an input that came in from outside)
+        differs = frozenset(
+            j
+            for j, r in enumerate(rows)
+            if (r.status == ERROR or (j not in noise and calls.near(j))) and not shape_differs(r)
+        )
+        return cls(apis, rows, feeds, opaque, peers, noise, find_sources(apis, rows, differs))
 
     def near(self, j: int) -> bool:
         # within a tenth of its tolerance: a row this close to the line does not "match" the baseline; nor
-        # does one whose difference is too small to measure
-        if j in self.noise:
+        # does one whose difference is too small to measure, nor a weight that drifts
+        if j in self.noise or j in self.sources.drifting:
             return True
         r = self.rows[j]
         return r.error is not None and r.allowed is not None and r.error > r.allowed * NEAR_FRACTION
@@ -235,6 +263,26 @@ def _enters(calls: _Calls, breaching: list[int]) -> Divergence | None:
             )
         return calls.at(i, ENTERS, why, row)
     return None
+
+
+def _source(calls: _Calls) -> Divergence | None:
+    """The earliest call that reads an input from outside the recorded calls that differs (rule 1b)."""
+    first = calls.sources.first(calls.apis)
+    if first is None:
+        return None
+    api, row = calls.apis[first.api_index], calls.rows[first.row_index]
+    why = (
+        f"its input {_suffix(api, calls.rows, first.row_index).lstrip('.')} ({KIND_TEXT[first.kind]}) differs from "
+        f"the baseline's ({row.reason or 'near its tolerance'}) and no recorded call made it: the error enters here, "
+        "from outside the recorded calls"
+    )
+    found = calls.at(first.api_index, SOURCE, why, first.row_index)
+    return replace(found, source=first.kind)
+
+
+def _earliest(apis: Sequence[ApiResult], *found: Divergence | None) -> Divergence | None:
+    """The divergence at the earliest call of those found."""
+    return min((d for d in found if d is not None), key=lambda d: apis[d.api_index].order, default=None)
 
 
 def _inconsistent(
@@ -362,7 +410,13 @@ def _rounding(calls: _Calls, found: Divergence, own: Mapping[int, OwnVerdict]) -
     """``found`` (rule 1 or 3) renamed for what it is when its call's own error is in line and none is out
     of line: the difference builds up from rounding."""
     v = own.get(found.api_index)
-    if v is None or v.out_of_line or v.skipped or any(o.out_of_line for o in own.values()):
+    if (
+        found.rule == SOURCE
+        or v is None
+        or v.out_of_line
+        or v.skipped
+        or any(o.out_of_line for o in own.values())
+    ):
         return found
     unreplayed = [
         calls.apis[i].api

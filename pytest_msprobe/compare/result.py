@@ -50,6 +50,7 @@ UNUSABLE = "unusable"  # a side's statistics cannot be compared (NaN or null in 
 # pytest_msprobe.compare.divergence
 OUT_OF_LINE = "out of line"  # the earliest call whose own error (against its float64 replay) is out of line
 ENTERS = "enters"  # the earliest call whose outputs breach while its inputs match
+SOURCE = "source"  # the earliest call that reads an input no recorded call made, and that differs
 STRUCTURAL = "structural"  # a call only one side makes, after which the numbers differ
 INCONSISTENT = (
     "inconsistent"  # errors flow in everywhere: the earliest call whose statistics break a relation
@@ -58,7 +59,7 @@ GROWS = "grows"  # errors flow in everywhere: the earliest call that amplifies i
 INHERITED = "inherited"  # the earliest breaching call: its inputs already differ
 ROUNDING = "rounding"  # no call is out of line: the difference builds up from rounding
 OVERFLOW = "overflow"  # the earliest call whose output holds inf/nan on the target and not on the baseline
-RULES = (OVERFLOW, OUT_OF_LINE, ENTERS, STRUCTURAL, INCONSISTENT, GROWS, INHERITED, ROUNDING)
+RULES = (OVERFLOW, OUT_OF_LINE, ENTERS, SOURCE, STRUCTURAL, INCONSISTENT, GROWS, INHERITED, ROUNDING)
 
 # where an overflow is first seen (Overflow.where, Divergence.overflow), as msprobe's guide sorts them
 OVERFLOW_PARAMETER = "parameter"  # a weight already holds inf/nan: the previous step's backward / update
@@ -147,6 +148,8 @@ class Divergence:
     api_index: int
     row_index: int
     overflow: str | None = None  # rule OVERFLOW: one of OVERFLOW_PLACES
+    # rule SOURCE: what the input from outside the recorded calls is (parameter, buffer, data, unrecorded)
+    source: str | None = None
 
 
 @dataclass(frozen=True)

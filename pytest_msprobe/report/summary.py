@@ -6,6 +6,7 @@ import json
 import math
 from typing import Any
 
+from pytest_msprobe.compare.checklist import Difference
 from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Overflow
 from pytest_msprobe.report.own import own_summary_dict
 
@@ -152,23 +153,28 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
 def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
     """``{kind, api, row, step, rank, reason, rule}``: ``kind`` is ``api`` for a call (then ``rule`` says which
     rule placed it), or the checklist's kind (data, parameter, buffer, hyperparameter, structure, setting) with
-    its ``name`` and ``where`` (and, for a setting, the first ``call`` it changes, at ``step`` and ``rank``)."""
+    its ``name`` and ``where`` (and, for a setting, the first ``call`` it changes, at ``step`` and ``rank``). ``api``
+    and ``row`` always name a call and a row where any call is compared: for a checklist difference, the first
+    call that reads it (or that a setting changes), and the row where it shows (an input slot for a weight or
+    the data). ``source`` is what an input from outside the recorded calls is, where one is the first
+    divergence (parameter, buffer, data, unrecorded)."""
     first = result.checklist_first
+    fd = result.first_divergence
     if first is not None:
+        api, row = _reader(result, first)
         return {
             "kind": first.kind,
             "name": first.name,
             "where": first.where,
             "call": first.call or None,
-            "api": None,
-            "row": None,
+            "api": api,
+            "row": row,
             "step": first.step,
             "rank": first.rank,
             "reason": first.detail,
             "rule": "checklist",
             "text": first.headline(result.several_ranks),
         }
-    fd = result.first_divergence
     if fd is None:
         return None
     return {
@@ -180,7 +186,27 @@ def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
         "reason": fd.reason,
         "rule": fd.rule,
         **({"overflow": fd.overflow} if fd.overflow is not None else {}),
+        **({"source": fd.source} if fd.source is not None else {}),
     }
+
+
+def _reader(result: CompareResult, first: Difference) -> tuple[str | None, str | None]:
+    """The call and row where a checklist difference shows first: the call it names (a setting's first changed
+    call, the first reader of an input read off the records), else the first divergence among the calls."""
+    fd = result.first_divergence
+    if first.call_index is not None:
+        api = result.apis[first.call_index]
+        names = [result.rows[j].row for j in api.rows]
+        if first.name in names:
+            return api.api, first.name
+        if fd is not None and fd.api_index == first.call_index:
+            return api.api, fd.row
+        return api.api, result.rows[api.worst_row].row if api.worst_row is not None else (
+            names[0] if names else None
+        )
+    if fd is not None:
+        return fd.api, fd.row
+    return None, None
 
 
 def summary_json(result: CompareResult) -> str:

@@ -18,6 +18,7 @@ from pytest_msprobe.compare.checklist_diff import compare_checklists
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.checklist import CHECKLIST_JSON, read_checklist
+from pytest_msprobe.report.summary import first_divergence_dict
 
 
 class _Net(torch.nn.Module):
@@ -306,7 +307,10 @@ def test_without_checklists_an_outside_input_is_read_off_the_records(
     first = result.checklist_first
     assert first is not None and (first.kind, first.name, first.step) == (kind, row, 0)
     assert "no recorded call made it" in first.detail and "the dumps carry no checklist" in first.detail
-    assert result.first_divergence is not None and result.first_divergence.rule == "inherited"
+    fd = result.first_divergence
+    assert fd is not None and (fd.rule, fd.source, fd.row) == ("source", kind, row)
+    summary = first_divergence_dict(result)
+    assert summary is not None and (summary["api"], summary["row"]) == (fd.api, row)  # a call and its slot
 
 
 def test_without_checklists_a_call_wrong_by_itself_is_not_taken_for_an_outside_input(

@@ -131,7 +131,8 @@ def test_fault_on_rank_1_is_named_on_rank_1(tmp_path: Path) -> None:
 
 def test_the_collective_peers_decide_even_against_the_order(tmp_path: Path) -> None:
     """Rank 1's error comes in where no call records it (its relu's output is not dumped): rank 0's
-    all_reduce, first in order with clean local inputs and a differing output, is still not where it enters."""
+    all_reduce, first in order with clean local inputs and a differing output, is still not where it enters:
+    rank 1's, whose input no recorded call made, is."""
     baseline = make_run(tmp_path / "b")
     target = make_run(tmp_path / "t", relu_fault={1: 1.01})
     for root in (baseline, target):
@@ -142,7 +143,7 @@ def test_the_collective_peers_decide_even_against_the_order(tmp_path: Path) -> N
     result = compare(target, baseline, jobs=1)
     fd = result.first_divergence
     assert fd is not None
-    assert (fd.api, fd.rank, fd.rule) == (ALL_REDUCE, 1, "inherited")
+    assert (fd.api, fd.rank, fd.rule) == (ALL_REDUCE, 1, "source")
     assert fd.row == f"{ALL_REDUCE}.input.0"
 
 

@@ -1,0 +1,155 @@
+"""Sources: inputs that no recorded call made, read off the records alone.
+
+A dump records calls, not tensors' origins. An input of a call that differs from the baseline's and that no
+earlier recorded call (of its rank, at any compared step) gave as an output came from outside the recorded
+calls: a weight, a buffer, the data, or the output of an operation neither tool records (``nn.LSTM``'s
+``_VF`` call, a custom kernel). Such an input is where the error enters, at its first reader, whatever that
+reader does with it. What it is, by the reader's slot and the record:
+
+- ``parameter``: a weight's place of the call (a conv's or linear's ``weight`` and ``bias``, a norm's affine
+  weights, an embedding's table);
+- ``buffer``: a batch_norm's running statistics;
+- ``data``: an input that does not require grad (the batch, a mask, a constant);
+- ``unrecorded``: an input that requires grad in no weight's place: the output of an operation that was not
+  recorded, or a parameter read directly (a cls token, a position embedding).
+
+"Made by a recorded call" is read from the target's statistics: the same dtype, element count, Max and Min
+(which no view, reshape or transpose changes, and no summation order either), and Mean and Norm within a
+relative 1e-5 (a reduction over another memory order may round them otherwise).
+
+**Drift.** After a step that was not compared, or a fault in an earlier step, every weight differs a little at
+the start of the next one: none of them is a source then. When two or more distinct weight inputs from outside
+the recorded calls differ at a step (of a rank), the weights drift there: a weight that differs at all, however
+little, does not match the baseline (a forward reading it is no place for the error to enter), and neither
+weights nor unrecorded outputs (made from drifted weights) are named as sources; data still is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pytest_msprobe.compare.overflow import WEIGHT_INPUTS
+from pytest_msprobe.compare.records import INPUT, OUTPUT, TENSOR, Leaf
+from pytest_msprobe.compare.result import UNMATCHED, ApiResult, RowResult
+from pytest_msprobe.format.names import parse_name
+
+PARAMETER, BUFFER, DATA, UNRECORDED = "parameter", "buffer", "data", "unrecorded"
+SOURCE_KINDS = (PARAMETER, BUFFER, DATA, UNRECORDED)
+_BUFFER_INPUTS = {"batch_norm": (".input.1", ".input.2", ".input.running_mean", ".input.running_var")}
+_REL = 1e-5  # how close a Mean or Norm must be to count as the same tensor's
+
+# what each kind is, for the reason text
+KIND_TEXT = {
+    PARAMETER: "a weight",
+    BUFFER: "a running statistic",
+    DATA: "data (an input that does not require grad)",
+    UNRECORDED: "the output of an operation that is not recorded, or a parameter read directly",
+}
+
+
+@dataclass(frozen=True)
+class Source:
+    """An input of call ``api_index`` (row ``row_index``) that no earlier recorded call made and that differs."""
+
+    api_index: int
+    row_index: int
+    kind: str  # one of SOURCE_KINDS
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The sources of a compare, by call, and the rows of weights that drift (see the module docstring)."""
+
+    by_call: dict[int, tuple[Source, ...]]
+    drifting: frozenset[int]  # rows: weights that differ at a step whose weights drift
+
+    def first(self, apis: Sequence[ApiResult]) -> Source | None:
+        """The source read first, in execution order."""
+        found = [s for ss in self.by_call.values() for s in ss]
+        return min(found, key=lambda s: (apis[s.api_index].order, s.row_index), default=None)
+
+
+NO_SOURCES = Sources({}, frozenset())
+
+
+def kind_of(api: str, leaf: Leaf) -> str:
+    """What an input from outside the recorded calls is, by its slot in the call and its record."""
+    op = parse_name(api).base.rpartition(".")[2]
+    if leaf.suffix in _BUFFER_INPUTS.get(op, ()):
+        return BUFFER
+    if leaf.suffix in WEIGHT_INPUTS.get(op, ()):
+        return PARAMETER
+    return UNRECORDED if leaf.requires_grad else DATA
+
+
+class _Made:
+    """The target's tensors given as outputs so far, by a key no view changes."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[object, ...], list[tuple[float | None, float | None]]] = {}
+
+    @staticmethod
+    def _key(leaf: Leaf) -> tuple[object, ...] | None:
+        if leaf.kind != TENSOR or leaf.shape is None or leaf.max is None or leaf.min is None:
+            return None
+        return (leaf.dtype, math.prod(leaf.shape), leaf.max, leaf.min)
+
+    def add(self, leaf: Leaf) -> None:
+        key = self._key(leaf)
+        if key is not None:
+            self._seen.setdefault(key, []).append((leaf.mean, leaf.norm))
+
+    def __contains__(self, leaf: Leaf) -> bool:
+        key = self._key(leaf)
+        if key is None:
+            return True  # nothing to tell it by: not claimed as a source
+        return any(_close(m, leaf.mean) and _close(n, leaf.norm) for m, n in self._seen.get(key, ()))
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or abs(a - b) <= _REL * max(abs(a), abs(b))
+
+
+def find_sources(apis: Sequence[ApiResult], rows: Sequence[RowResult], differs: frozenset[int]) -> Sources:
+    """The inputs from outside the recorded calls that differ (``differs``: rows that do not match the
+    baseline), by call, and the drifting weights (see the module docstring)."""
+    made: dict[int | None, _Made] = {}
+    outside: dict[tuple[int | None, int | None], list[Source]] = {}
+    changed: dict[tuple[int | None, int | None], set[tuple[object, ...]]] = {}
+    weights: dict[tuple[int | None, int | None], list[int]] = {}
+    for i in sorted(range(len(apis)), key=lambda i: apis[i].order):
+        api = apis[i]
+        seen = made.setdefault(api.rank, _Made())
+        place = (api.step, api.rank)
+        if api.status != UNMATCHED and api.direction == "forward":
+            for j in api.rows:
+                t = rows[j].target
+                if rows[j].role != INPUT or t is None or t.kind != TENSOR or t in seen:
+                    continue
+                kind = kind_of(api.api, t)
+                if kind == PARAMETER and rows[j].error:  # a weight that differs at all
+                    weights.setdefault(place, []).append(j)
+                    changed.setdefault(place, set()).add((t.dtype, t.shape, *t.stats))
+                if j in differs:
+                    outside.setdefault(place, []).append(Source(i, j, kind))
+        for j in api.rows:
+            leaf = rows[j].target
+            if leaf is not None and rows[j].role == OUTPUT:
+                seen.add(leaf)
+    by_call: dict[int, list[Source]] = {}
+    drifting: set[int] = set()
+    for place, found in outside.items():
+        drift = len(changed.get(place, ())) >= 2
+        if drift:
+            drifting.update(weights[place])
+        for s in found:
+            if drift and s.kind != DATA:
+                continue
+            by_call.setdefault(s.api_index, []).append(s)
+    return Sources({i: tuple(ss) for i, ss in by_call.items()}, frozenset(drifting))
