@@ -296,7 +296,10 @@ def _inconsistent(
 
 
 def _grows(calls: _Calls, breaching: list[int], amplification: float) -> Divergence | None:
+    drifting = calls.sources.drifting
     for i in breaching:
+        if any(j in drifting for j in calls.apis[i].rows):
+            continue  # a weight's statistics say too little of how much it changed to measure a growth by
         in_err, _, _ = calls.effective_inputs(i)
         out_err = calls.apis[i].output_error
         # a ratio means something only for a finite input error: inputs that differ beyond measure (another

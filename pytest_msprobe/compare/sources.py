@@ -17,11 +17,14 @@ reader does with it. What it is, by the reader's slot and the record:
 (which no view, reshape or transpose changes, and no summation order either), and Mean and Norm within a
 relative 1e-5 (a reduction over another memory order may round them otherwise).
 
-**Drift.** After a step that was not compared, or a fault in an earlier step, every weight differs a little at
-the start of the next one: none of them is a source then. When two or more distinct weight inputs from outside
-the recorded calls differ at a step (of a rank), the weights drift there: a weight that differs at all, however
-little, does not match the baseline (a forward reading it is no place for the error to enter), and neither
-weights nor unrecorded outputs (made from drifted weights) are named as sources; data still is.
+**Drift.** A step after the first (step 1 on, or a dump that starts mid-run) begins with what the steps before
+left: weights, buffers, an optimizer's state, all of which differ, a little or much, after a fault or a rounding
+difference in any step before, compared or not. From outside the recorded calls at such a step, only the data
+(an input that does not require grad, read before the step's first backward call) is named as a source; every
+other outside input drifts: when it differs at all, however little, it does not match the baseline (a call
+reading it is no place for the error to enter, nor to grow, by its statistics alone). At the first step of
+training (step 0, or a dump without steps) weights and buffers are the initial ones, and any of them that
+differs is a source.
 """
 
 from __future__ import annotations
@@ -118,38 +121,33 @@ def _close(a: float | None, b: float | None) -> bool:
 
 def find_sources(apis: Sequence[ApiResult], rows: Sequence[RowResult], differs: frozenset[int]) -> Sources:
     """The inputs from outside the recorded calls that differ (``differs``: rows that do not match the
-    baseline), by call, and the drifting weights (see the module docstring)."""
+    baseline), by call, and the rows that drift (see the module docstring)."""
     made: dict[int | None, _Made] = {}
-    outside: dict[tuple[int | None, int | None], list[Source]] = {}
-    changed: dict[tuple[int | None, int | None], set[tuple[object, ...]]] = {}
-    weights: dict[tuple[int | None, int | None], list[int]] = {}
+    backward_seen: set[tuple[int | None, int | None]] = set()
+    by_call: dict[int, list[Source]] = {}
+    drifting: set[int] = set()
     for i in sorted(range(len(apis)), key=lambda i: apis[i].order):
         api = apis[i]
         seen = made.setdefault(api.rank, _Made())
         place = (api.step, api.rank)
+        if api.direction == "backward":
+            backward_seen.add(place)
         if api.status != UNMATCHED and api.direction == "forward":
             for j in api.rows:
                 t = rows[j].target
                 if rows[j].role != INPUT or t is None or t.kind != TENSOR or t in seen:
                     continue
                 kind = kind_of(api.api, t)
-                if kind == PARAMETER and rows[j].error:  # a weight that differs at all
-                    weights.setdefault(place, []).append(j)
-                    changed.setdefault(place, set()).add((t.dtype, t.shape, *t.stats))
-                if j in differs:
-                    outside.setdefault(place, []).append(Source(i, j, kind))
+                if kind == DATA and place not in backward_seen:  # the step's data: read, never drifts
+                    if j in differs:
+                        by_call.setdefault(i, []).append(Source(i, j, kind))
+                elif api.step not in (0, None):  # state carried from the steps before: it drifts
+                    if rows[j].error:
+                        drifting.add(j)
+                elif j in differs:
+                    by_call.setdefault(i, []).append(Source(i, j, kind))
         for j in api.rows:
             leaf = rows[j].target
             if leaf is not None and rows[j].role == OUTPUT:
                 seen.add(leaf)
-    by_call: dict[int, list[Source]] = {}
-    drifting: set[int] = set()
-    for place, found in outside.items():
-        drift = len(changed.get(place, ())) >= 2
-        if drift:
-            drifting.update(weights[place])
-        for s in found:
-            if drift and s.kind != DATA:
-                continue
-            by_call.setdefault(s.api_index, []).append(s)
     return Sources({i: tuple(ss) for i, ss in by_call.items()}, frozenset(drifting))
