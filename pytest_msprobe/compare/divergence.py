@@ -116,8 +116,10 @@ def first_divergence(
     compared = sorted((api.order, i) for i, api in enumerate(apis) if api.status != UNMATCHED)
     breaching = [i for _, i in compared if apis[i].output_breach]
     failing = self_check or any(apis[i].status == ERROR for _, i in compared)
-    # (an input from outside that differs names where the error enters only where something fails)
-    found = _earliest(apis, _enters(calls, breaching), _source(calls) if failing else None)
+    # (an input from outside that differs names where the error enters only where something fails, and not
+    # between two models: tensors of other shapes say the dumps are of another model or data)
+    outside = failing and not any(r.status == ERROR and shape_differs(r) for r in rows)
+    found = _earliest(apis, _enters(calls, breaching), _source(calls) if outside else None)
     out_of_line = min(((apis[i].order, i) for i, v in own.items() if v.out_of_line), default=None)
     if (
         out_of_line is not None
@@ -296,29 +298,57 @@ def _inconsistent(
 
 
 def _grows(calls: _Calls, breaching: list[int], amplification: float) -> Divergence | None:
-    drifting = calls.sources.drifting
-    for i in breaching:
-        if any(j in drifting for j in calls.apis[i].rows):
-            continue  # a weight's statistics say too little of how much it changed to measure a growth by
+    drifting, rows, apis = calls.sources.drifting, calls.rows, calls.apis
+    # the drift's scale so far: the largest output error of a call that reads a drifting input, by step and rank
+    # (a weight's statistics say too little of how much it changed: its readers' outputs say it)
+    scale: dict[tuple[int | None, int | None], float] = {}
+    by_order = sorted((a.order, k) for k, a in enumerate(apis) if a.status != UNMATCHED)
+    candidates = set(breaching)
+    best: tuple[float, int, float, float] | None = None  # in a drifting step: the largest growth
+    for _, i in by_order:
+        api = apis[i]
+        place = (api.step, api.rank)
+        drifts = any(j in drifting for j in api.rows)
         in_err, _, _ = calls.effective_inputs(i)
-        out_err = calls.apis[i].output_error
+        if drifts:  # measured from the other inputs and the drift's scale
+            others = [
+                e
+                for j in api.rows
+                if rows[j].role != OUTPUT and j not in drifting and (e := rows[j].error) is not None
+            ]
+            in_err = max([*others, scale.get(place, 0.0)], default=None)
+        out_err = api.output_error
+        if drifts and out_err is not None and math.isfinite(out_err):
+            scale[place] = max(scale.get(place, 0.0), out_err)
+        if i not in candidates:
+            continue
         # a ratio means something only for a finite input error: inputs that differ beyond measure (another
         # shape, NaN/Inf on one side) cannot show the error growing
         if not in_err or not math.isfinite(in_err) or out_err is None or out_err < amplification * in_err:
             continue
-        if math.isfinite(out_err):
-            growth = (
-                f"the output error {fmt_number(out_err)} is {out_err / in_err:.0f}x the input error "
-                f"{fmt_number(in_err)}"
-            )
-        else:
-            growth = (
-                f"the output differs beyond measure (NaN/Inf on one side only, or another shape) while the input "
-                f"error is {fmt_number(in_err)}"
-            )
-        why = f"errors already flow into every call; here {growth}: the error grows here"
-        return calls.at(i, GROWS, why)
+        if place in scale:  # the weights drift: every call grows a little, the one that grows most is it
+            if best is None or out_err / in_err > best[0]:
+                best = (out_err / in_err, i, in_err, out_err)
+            continue
+        return _grown(calls, i, in_err, out_err)
+    if best is not None:
+        return _grown(calls, best[1], best[2], best[3])
     return None
+
+
+def _grown(calls: _Calls, i: int, in_err: float, out_err: float) -> Divergence:
+    if math.isfinite(out_err):
+        growth = (
+            f"the output error {fmt_number(out_err)} is {out_err / in_err:.0f}x the input error "
+            f"{fmt_number(in_err)}"
+        )
+    else:
+        growth = (
+            f"the output differs beyond measure (NaN/Inf on one side only, or another shape) while the input "
+            f"error is {fmt_number(in_err)}"
+        )
+    why = f"errors already flow into every call; here {growth}: the error grows here"
+    return calls.at(i, GROWS, why)
 
 
 def _inherited(calls: _Calls, candidates: list[int], amplification: float) -> Divergence | None:

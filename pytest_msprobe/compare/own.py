@@ -7,7 +7,9 @@ which needs torch: imported here only when a dump must be replayed).
 How a call is judged (:func:`verdict`): its target's own error is out of line when, for one of its outputs,
 elements finite on one side only, or more of its elements than its dtype's share (1e-3 for float32 and
 float64, 1e-2 for half types; per API with the thresholds file's ``own_share``) are off by more than the
-measuring bound, and, where the baseline has its own error for that output too, the target's exceeds it by
+measuring bound (or, computed at a lower precision than its dtype, more than that share are off by a tenth of it
+while its RMSE and mean relative error are a hundred times the baseline's own), and, where the baseline has its
+own error for that output too, the target's exceeds it by
 one of the ratios of its guard level (``own_level``; msprobe's L0/L1/L2: small values 2, RMSE and mean
 relative error 2/1.5/1.2, largest relative error 10/5/2). A baseline whose own error is as large says the
 call computes no worse than the reference device does: not out of line.
@@ -33,7 +35,7 @@ from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.layout import discover
 from pytest_msprobe.format.names import FORWARD, parse_name
-from pytest_msprobe.format.own_errors import SELF_CHECK_JSON, CallOwn, OwnError, read_own_errors
+from pytest_msprobe.format.own_errors import SELF_CHECK_JSON, SHARE_BOUNDS, CallOwn, OwnError, read_own_errors
 
 OwnErrors = dict[str, CallOwn]
 NO_OWN_ERRORS = "the dump was made without the self-check, so its calls have no own errors to judge"
@@ -74,7 +76,7 @@ def verdict(
         # the baseline's dtype decides, as for the thresholds: a bfloat16 output where the reference device
         # gives float32 is held to float32's standard
         bound, share, ratios = thresholds.own_standard(api, b.dtype if b is not None else t.dtype)
-        broken = breaks_standard(t, bound, share)
+        broken = breaks_standard(t, bound, share) or reduced_precision(t, b, bound, share)
         if worst_t is None or (bool(broken), t.share_over(bound), t.max_rel) > worst_key:
             worst_t, worst_b = t, b
             worst_key = (bool(broken), t.share_over(bound), t.max_rel)
@@ -105,6 +107,31 @@ def breaks_standard(err: OwnError, bound: float, share: float) -> str:
     if off > share:
         return f"{off:.3%} of its elements more than {bound:g} off (at most {share:.2%})"
     return ""
+
+
+# how many times the baseline's own RMSE and mean relative error a target's must be, with a tenth of the
+# bound's share of elements off, for its output to have been computed at a lower precision than its dtype's
+REDUCED_FACTOR = 100.0
+
+
+def reduced_precision(t: OwnError, b: OwnError | None, bound: float, share: float) -> str:
+    """Why one output looks computed at a lower precision than its dtype ("" when it does not): within its
+    standard, but more than ``share`` of its elements more than a tenth of ``bound`` off, and its RMSE and mean
+    relative error :data:`REDUCED_FACTOR` times the baseline's own or more (a float32 softmax computed in float16
+    is 5e-4 off where float32's own rounding gives 1e-7). Without the baseline's own error, nothing to hold it to."""
+    finer = bound / 10
+    if b is None or finer not in SHARE_BOUNDS or t.share_over(finer) <= share:
+        return ""
+    if t.rmse < REDUCED_FACTOR * b.rmse or t.mean_rel < REDUCED_FACTOR * b.mean_rel or t.rmse == 0:
+        return ""
+    return (
+        f"{t.share_over(finer):.3%} of its elements more than {finer:g} off (at most {share:.2%}) with an RMSE "
+        f"{_times(t.rmse, b.rmse)} the baseline's own: computed at a lower precision than {t.dtype}"
+    )
+
+
+def _times(got: float, ref: float) -> str:
+    return f"{got / ref:.3g}x" if ref > 0 else f"{fmt_number(got)} where 0 is"
 
 
 def exceeds(t: OwnError, b: OwnError, ratios: OwnRatios) -> str:

@@ -20,9 +20,12 @@ relative 1e-5 (a reduction over another memory order may round them otherwise).
 **Drift.** A step after the first (step 1 on, or a dump that starts mid-run) begins with what the steps before
 left: weights, buffers, an optimizer's state, all of which differ, a little or much, after a fault or a rounding
 difference in any step before, compared or not. From outside the recorded calls at such a step, only the data
-(an input that does not require grad, read before the step's first backward call) is named as a source; every
-other outside input drifts: when it differs at all, however little, it does not match the baseline (a call
-reading it is no place for the error to enter, nor to grow, by its statistics alone). At the first step of
+(an input that does not require grad, read before the step's first backward call; after it, such an input is a
+gradient autograd summed or an optimizer's state, never a source) is named as a source; every
+other outside input drifts: when any of them differs at all, however little, none of them matches the baseline
+(a weight whose statistics agree may differ in its elements): a call reading one is no place for the error to
+enter, and its growth is measured from its other inputs and the drift's scale (the largest output error of a
+call reading a drifting input before it). At the first step of
 training (step 0, or a dump without steps) weights and buffers are the initial ones, and any of them that
 differs is a source.
 """
@@ -125,7 +128,7 @@ def find_sources(apis: Sequence[ApiResult], rows: Sequence[RowResult], differs: 
     made: dict[int | None, _Made] = {}
     backward_seen: set[tuple[int | None, int | None]] = set()
     by_call: dict[int, list[Source]] = {}
-    drifting: set[int] = set()
+    carried: dict[tuple[int | None, int | None], list[int]] = {}  # outside inputs a later step starts with
     for i in sorted(range(len(apis)), key=lambda i: apis[i].order):
         api = apis[i]
         seen = made.setdefault(api.rank, _Made())
@@ -141,13 +144,20 @@ def find_sources(apis: Sequence[ApiResult], rows: Sequence[RowResult], differs: 
                 if kind == DATA and place not in backward_seen:  # the step's data: read, never drifts
                     if j in differs:
                         by_call.setdefault(i, []).append(Source(i, j, kind))
-                elif api.step not in (0, None):  # state carried from the steps before: it drifts
-                    if rows[j].error:
-                        drifting.add(j)
+                elif api.step not in (0, None) or kind == DATA:
+                    # what the steps before left (weights, buffers, an optimizer's state), or, after the
+                    # step's backward, a gradient autograd summed
+                    carried.setdefault(place, []).append(j)
                 elif j in differs:
                     by_call.setdefault(i, []).append(Source(i, j, kind))
         for j in api.rows:
             leaf = rows[j].target
             if leaf is not None and rows[j].role == OUTPUT:
                 seen.add(leaf)
+    drifting: set[int] = set()
+    for (step, _), found in carried.items():
+        # at a later step, when any of it differs, all of it may: a weight whose statistics agree may still
+        # differ in its elements (an update that moved some elements, not the extremes)
+        if step not in (0, None) and any(rows[j].error for j in found):
+            drifting.update(found)
     return Sources({i: tuple(ss) for i, ss in by_call.items()}, frozenset(drifting))
