@@ -45,6 +45,7 @@ _SEVERITY = {SKIPPED: 0, PASS: 1, UNMATCHED: 2, WARNING: 3, ERROR: 4}
 SHAPE = "shape"  # its two tensors have other shapes
 NONFINITE = "nonfinite"  # NaN/Inf on one side only
 UNUSABLE = "unusable"  # a side's statistics cannot be compared (NaN or null in a non-empty tensor)
+DTYPE = "dtype"  # its two tensors are of other floating dtypes (float16 where the baseline has bfloat16)
 
 # the rules that place the first divergence (Divergence.rule), in the order they are tried; see
 # pytest_msprobe.compare.divergence
@@ -90,7 +91,7 @@ class RowResult:
     stat: StatMetrics | None = None
     tensor: TensorMetrics | None = None
     msprobe_accuracy: str | None = None  # tensor mode: msprobe 8.3.3's rule, "Yes" / "No"
-    problem: str | None = None  # SHAPE, NONFINITE, UNUSABLE, or None
+    problem: str | None = None  # SHAPE, NONFINITE, UNUSABLE, DTYPE, or None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ calls: a weight, a buffer, the data, or the output of an operation neither tool 
 reader does with it. What it is, by the reader's slot and the record:
 
 - ``parameter``: a weight's place of the call (a conv's or linear's ``weight`` and ``bias``, a norm's affine
-  weights, an embedding's table);
+  weights, an embedding's table, the weights list of a recurrent call where one is recorded);
 - ``buffer``: a batch_norm's running statistics;
 - ``data``: an input that does not require grad (the batch, a mask, a constant);
 - ``unrecorded``: an input that requires grad in no weight's place: the output of an operation that was not
@@ -44,6 +44,8 @@ from pytest_msprobe.format.names import parse_name
 PARAMETER, BUFFER, DATA, UNRECORDED = "parameter", "buffer", "data", "unrecorded"
 SOURCE_KINDS = (PARAMETER, BUFFER, DATA, UNRECORDED)
 _BUFFER_INPUTS = {"batch_norm": (".input.1", ".input.2", ".input.running_mean", ".input.running_var")}
+# recurrent calls (``_VF.lstm`` and the like, where they are recorded) take their weights as one list
+_RECURRENT = {"lstm": ".input.2.", "gru": ".input.2.", "rnn_tanh": ".input.2.", "rnn_relu": ".input.2."}
 _REL = 1e-5  # how close a Mean or Norm must be to count as the same tensor's
 
 # what each kind is, for the reason text
@@ -85,7 +87,9 @@ def kind_of(api: str, leaf: Leaf) -> str:
     op = parse_name(api).base.rpartition(".")[2]
     if leaf.suffix in _BUFFER_INPUTS.get(op, ()):
         return BUFFER
-    if leaf.suffix in WEIGHT_INPUTS.get(op, ()):
+    if leaf.suffix in WEIGHT_INPUTS.get(op, ()) or (
+        op in _RECURRENT and leaf.suffix.startswith(_RECURRENT[op])
+    ):
         return PARAMETER
     return UNRECORDED if leaf.requires_grad else DATA
 
