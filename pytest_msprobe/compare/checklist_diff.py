@@ -249,10 +249,10 @@ def compare_checklists(
     for t_path, b_path, step, rank in pairs:
         t_doc, b_doc = read_checklist(t_path), read_checklist(b_path)
         if t_doc is None or b_doc is None:
-            side = "the baseline has" if b_doc is None else "the target has"
+            side = "the baseline has no" if b_doc is None else "the target has no"
             if t_doc is None and b_doc is None:
-                side = "neither dump has"
-            unchecked.append(f"{_place(step, rank)}: {side} no checklist.json (a plain msprobe dump?)")
+                side = "neither dump has a"
+            unchecked.append(f"{_place(step, rank)}: {side} checklist.json (a plain msprobe dump?)")
             continue
         read.append((t_doc, b_doc, step, rank))
         dumps[(step, rank)] = (t_path, b_path, t_doc, b_doc)

@@ -274,9 +274,9 @@ def _source(calls: _Calls) -> Divergence | None:
         return None
     api, row = calls.apis[first.api_index], calls.rows[first.row_index]
     why = (
-        f"its input {_suffix(api, calls.rows, first.row_index).lstrip('.')} ({KIND_TEXT[first.kind]}) differs from "
-        f"the baseline's ({row.reason or 'near its tolerance'}) and no recorded call made it: the error enters here, "
-        "from outside the recorded calls"
+        f"{first.kind}: its {_suffix(api, calls.rows, first.row_index).lstrip('.')} ({KIND_TEXT[first.kind]}) "
+        f"differs from the baseline's ({row.reason or 'near its tolerance'}) and no recorded call made it: the "
+        "error comes in here, from outside the recorded calls"
     )
     found = calls.at(first.api_index, SOURCE, why, first.row_index)
     return replace(found, source=first.kind)
