@@ -118,7 +118,7 @@ def _tensor_notes(check: Check, target: Leaf, baseline: Leaf) -> Check:
     if t_dtype != b_dtype and _floating(t_dtype) and _floating(b_dtype):
         # another floating format: its values are rounded otherwise from here on, whatever they measure now
         # (float16 for bfloat16 agrees with it to bfloat16's tolerance), so the call that makes it breaches
-        check = amend(check, f"dtype differs: {t_dtype} vs {b_dtype}", ERROR)._replace(
+        check = amend(check, f"dtype differs: {target.dtype} vs {baseline.dtype}", ERROR)._replace(
             problem=check.problem or DTYPE
         )
     elif t_dtype != b_dtype:

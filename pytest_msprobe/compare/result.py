@@ -52,6 +52,9 @@ DTYPE = "dtype"  # its two tensors are of other floating dtypes (float16 where t
 OUT_OF_LINE = "out of line"  # the earliest call whose own error (against its float64 replay) is out of line
 ENTERS = "enters"  # the earliest call whose outputs breach while its inputs match
 SOURCE = "source"  # the earliest call that reads an input no recorded call made, and that differs
+# what an input from outside the recorded calls is (Divergence.source)
+PARAMETER_SOURCE, BUFFER_SOURCE, DATA_SOURCE, UNRECORDED_SOURCE = "parameter", "buffer", "data", "unrecorded"
+SOURCE_KINDS = (PARAMETER_SOURCE, BUFFER_SOURCE, DATA_SOURCE, UNRECORDED_SOURCE)
 STRUCTURAL = "structural"  # a call only one side makes, after which the numbers differ
 INCONSISTENT = (
     "inconsistent"  # errors flow in everywhere: the earliest call whose statistics break a relation
@@ -290,6 +293,24 @@ class CompareResult:
         # (rounding is where the error enters, or grows, on a call whose own error is in line: a breach before
         # the setting changed any call did not come from it either)
         return self.apis[fd.api_index].order < self.apis[setting.call_index].order
+
+    def first_call(self) -> tuple[str | None, str | None]:
+        """The call and row where the first divergence shows first, whatever names it: a checklist difference's
+        call (a setting's first changed call, the first reader of an input read off the records), else the first
+        divergence among the calls; (None, None) where no call is named."""
+        first, fd = self.checklist_first, self.first_divergence
+        if first is not None and first.call_index is not None:
+            api = self.apis[first.call_index]
+            names = [self.rows[j].row for j in api.rows]
+            if first.name in names:
+                return api.api, first.name
+            if fd is not None and fd.api_index == first.call_index:
+                return api.api, fd.row
+            worst = self.rows[api.worst_row].row if api.worst_row is not None else None
+            return api.api, worst or (names[0] if names else None)
+        if fd is not None:
+            return fd.api, fd.row
+        return None, None
 
     @property
     def several_ranks(self) -> bool:

@@ -38,11 +38,18 @@ from dataclasses import dataclass
 
 from pytest_msprobe.compare.overflow import WEIGHT_INPUTS
 from pytest_msprobe.compare.records import INPUT, OUTPUT, TENSOR, Leaf
-from pytest_msprobe.compare.result import UNMATCHED, ApiResult, RowResult
+from pytest_msprobe.compare.result import (
+    BUFFER_SOURCE,
+    DATA_SOURCE,
+    PARAMETER_SOURCE,
+    UNMATCHED,
+    UNRECORDED_SOURCE,
+    ApiResult,
+    RowResult,
+)
 from pytest_msprobe.format.names import parse_name
 
-PARAMETER, BUFFER, DATA, UNRECORDED = "parameter", "buffer", "data", "unrecorded"
-SOURCE_KINDS = (PARAMETER, BUFFER, DATA, UNRECORDED)
+PARAMETER, BUFFER, DATA, UNRECORDED = PARAMETER_SOURCE, BUFFER_SOURCE, DATA_SOURCE, UNRECORDED_SOURCE
 _BUFFER_INPUTS = {"batch_norm": (".input.1", ".input.2", ".input.running_mean", ".input.running_var")}
 # recurrent calls (``_VF.lstm`` and the like, where they are recorded) take their weights as one list
 _RECURRENT = {"lstm": ".input.2.", "gru": ".input.2.", "rnn_tanh": ".input.2.", "rnn_relu": ".input.2."}

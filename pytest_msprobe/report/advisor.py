@@ -11,14 +11,18 @@ import math
 import re
 
 from pytest_msprobe.compare.result import (
+    BUFFER_SOURCE,
+    DATA_SOURCE,
     ERROR,
     INCONSISTENT,
     OUT_OF_LINE,
     OUTPUT,
     OVERFLOW,
+    PARAMETER_SOURCE,
     ROUNDING,
     SOURCE,
     UNMATCHED_CAUSES,
+    UNRECORDED_SOURCE,
     ApiResult,
     CompareResult,
     Divergence,
@@ -28,7 +32,6 @@ from pytest_msprobe.compare.result import (
     shape_differs,
     unmatched_share,
 )
-from pytest_msprobe.compare.sources import BUFFER, DATA, PARAMETER, UNRECORDED
 from pytest_msprobe.report.guide import CHECKLIST_NEXT, checklist_lines, next_steps, trend_advice
 from pytest_msprobe.report.text import api_site, first_unmatched_text
 
@@ -117,20 +120,20 @@ def overflow_advice(result: CompareResult, fd: Divergence) -> str:
 
 # what to check for each kind of input from outside the recorded calls (rule source)
 _SOURCE_ADVICE = {
-    PARAMETER: (
+    PARAMETER_SOURCE: (
         "A weight differs before any recorded call touched it: load the same checkpoint, or build the model on the "
         "CPU with the same seed before moving it (initialisers draw from the device's generator otherwise); at a "
         "later step, an update that no compared call shows (a step not dumped, a fused or foreach optimizer)."
     ),
-    BUFFER: (
+    BUFFER_SOURCE: (
         "A running statistic differs before any recorded call touched it: the same checkpoint, the same momentum "
         "and the same number of earlier steps in training mode on both sides."
     ),
-    DATA: (
+    DATA_SOURCE: (
         "The data differs: the same data set, order and preprocessing on both sides, random augmentation "
         "seeded, and data made on the CPU with its generator before it is moved."
     ),
-    UNRECORDED: (
+    UNRECORDED_SOURCE: (
         "An operation that is not recorded made it (a recurrent layer's _VF call, a custom kernel or extension, "
         "code the dump's API list does not cover), or a parameter read directly: look at the code just before "
         "the line that calls it, and add that operation to the dump list or compare it alone."
@@ -202,7 +205,7 @@ def advice(result: CompareResult, fd: Divergence) -> str:
             )
     elif fd.rule == SOURCE:
         text.append(f"{api.api} is the first call that reads {row.row}, which differs: {fd.reason}.")
-        text.append(_SOURCE_ADVICE.get(fd.source or "", _SOURCE_ADVICE[UNRECORDED]))
+        text.append(_SOURCE_ADVICE.get(fd.source or "", _SOURCE_ADVICE[UNRECORDED_SOURCE]))
     elif fd.rule == "structural":
         text.append(f"{fd.reason}.")
         text.append(

@@ -6,7 +6,6 @@ import json
 import math
 from typing import Any
 
-from pytest_msprobe.compare.checklist import Difference
 from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Overflow
 from pytest_msprobe.report.own import own_summary_dict
 
@@ -161,7 +160,7 @@ def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
     first = result.checklist_first
     fd = result.first_divergence
     if first is not None:
-        api, row = _reader(result, first)
+        api, row = result.first_call()
         return {
             "kind": first.kind,
             "name": first.name,
@@ -188,25 +187,6 @@ def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
         **({"overflow": fd.overflow} if fd.overflow is not None else {}),
         **({"source": fd.source} if fd.source is not None else {}),
     }
-
-
-def _reader(result: CompareResult, first: Difference) -> tuple[str | None, str | None]:
-    """The call and row where a checklist difference shows first: the call it names (a setting's first changed
-    call, the first reader of an input read off the records), else the first divergence among the calls."""
-    fd = result.first_divergence
-    if first.call_index is not None:
-        api = result.apis[first.call_index]
-        names = [result.rows[j].row for j in api.rows]
-        if first.name in names:
-            return api.api, first.name
-        if fd is not None and fd.api_index == first.call_index:
-            return api.api, fd.row
-        return api.api, result.rows[api.worst_row].row if api.worst_row is not None else (
-            names[0] if names else None
-        )
-    if fd is not None:
-        return fd.api, fd.row
-    return None, None
 
 
 def summary_json(result: CompareResult) -> str:

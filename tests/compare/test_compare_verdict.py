@@ -81,7 +81,13 @@ def test_statistics_shape_dtype_requires_grad_nonfinite() -> None:
     assert c.status == ERROR and c.error == math.inf and c.reason == "shape differs: [8] vs [4]"
     half = leaf(tensor([8], 0.0, 1.0, 0.5, 1.0, dtype="torch.float16"))
     c = check_statistics(half, t, F32)
-    assert c.status == WARNING and "dtype differs: torch.float16 vs torch.float32" in c.reason
+    # another floating format breaches at the call that makes it, whatever its values measure
+    assert c.status == ERROR and "dtype differs: torch.float16 vs torch.float32" in c.reason
+    assert c.problem == "dtype"
+    ints = leaf(tensor([8], 0.0, 1.0, 0.5, 1.0, dtype="torch.int32"))
+    longs = leaf(tensor([8], 0.0, 1.0, 0.5, 1.0, dtype="torch.int64"))
+    c = check_statistics(ints, longs, F32)  # an index's integer width is not a precision
+    assert c.status == WARNING and "dtype differs: torch.int32 vs torch.int64" in c.reason
     grad = leaf(tensor([8], 0.0, 1.0, 0.5, 1.0, requires_grad=True))
     assert "requires_grad differs" in check_statistics(grad, t, F32).reason
     nan = leaf(tensor([8], float("nan"), float("nan"), float("nan"), float("nan")))

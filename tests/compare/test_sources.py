@@ -217,7 +217,7 @@ def test_a_dtype_change_breaches_at_the_call_that_makes_it(tmp_path: Path, clean
     fd = result.first_divergence
     assert fd is not None and (fd.api, fd.rule) == ("Functional.linear.1.forward", "enters"), fd
     row = result.rows[fd.row_index]
-    assert row.problem == "dtype" and "dtype differs: float16 vs bfloat16" in row.reason
+    assert row.problem == "dtype" and "dtype differs: torch.float16 vs torch.bfloat16" in row.reason
 
 
 def test_a_call_computed_at_a_lower_precision_is_out_of_line_before_its_backward(

@@ -113,7 +113,8 @@ def test_a_checklist_difference_fails_named_for_what_it_is(
     assert summary["passed"] is False
     fd = summary["first_divergence"]
     assert (fd["kind"], fd["name"]) == (kind, name)
-    assert fd["rule"] == "checklist" and fd["api"] is None
+    assert fd["rule"] == "checklist" and fd["api"] and fd["row"]  # where it shows first: a call and a row
+    assert fd["row"].startswith(fd["api"])
     if kind != "structure":
         assert fd["step"] == 0
     props = {p.get("name"): p.get("value") for p in ET.parse(pytester.path / "junit.xml").iter("property")}
@@ -198,7 +199,7 @@ def test_config_check_of_dumps_without_checklists_is_an_error(pytester: pytest.P
         sys.executable, "-m", "pytest_msprobe", "config-check", str(dumps[0].parent), str(dumps[1].parent)
     )
     assert result.ret == 2
-    result.stderr.fnmatch_lines(["*no checklist to compare*no checklist.json*"])
+    result.stderr.fnmatch_lines(["*no checklist to compare*has a checklist.json*"])
 
 
 def test_a_baseline_with_a_broken_checklist_is_an_error_before_training(
