@@ -138,3 +138,34 @@ def test_verdicts() -> None:
         and one.nonfinite_mismatch == 1
         and one.reason == "1 element(s) finite on one side only"
     )
+
+
+@pytest.mark.parametrize(
+    "bracket",
+    [None, (50.0, 60.0, False), (0.0, 1e-9, True)],
+    ids=["sampled", "median-above-the-bracket", "median-above-a-least-floor"],
+)
+def test_the_figures_do_not_depend_on_the_workers(
+    monkeypatch: pytest.MonkeyPatch, bracket: tuple[float, float, bool] | None
+) -> None:
+    """A large tensor's blocks are shared among as many workers as torch has threads: its figures (sums of
+    squares, of relative errors, of ULPs) are the same to the last bit with one, two or three of them."""
+    if bracket is not None:
+        lo, hi, least = bracket
+        monkeypatch.setattr(
+            figures, "_bracket", lambda r, floor_of: figures._Bracket(lo, hi, least, floor_of(hi))
+        )
+    cases = [c for c in _cases() if c[1].size > 4 * figures.BLOCK]
+    before = torch.get_num_threads()
+    seen: dict[int, list[str]] = {}
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            seen[threads] = [
+                repr(own_error(d.astype(np.float16) if dtype == "float16" else d, r, dtype))
+                for _, d, r in cases
+                for dtype in ("float32", "float16")
+            ]
+    finally:
+        torch.set_num_threads(before)
+    assert seen[2] == seen[1] and seen[3] == seen[1]
