@@ -23,6 +23,7 @@ from pytest_msprobe.format.precision import Policy
 from pytest_msprobe.replay.apis import Target, resolve
 from pytest_msprobe.replay.emulate import Emulator, autocast_of, emulation_for, emulator
 from pytest_msprobe.replay.standard import OwnError, judge_output, sum_floor
+from pytest_msprobe.replay.state import steady
 from pytest_msprobe.replay.values import (
     Unreplayable,
     as_leaf,
@@ -44,7 +45,19 @@ def replay_backward(
     policy: Policy | None = None,
 ) -> tuple[OwnErrors, str, str]:
     """The own errors of one call's outgoing gradients, or ``((), reason)`` when it cannot be replayed, and
-    the format its device's declared ``policy`` was emulated in (``""`` for none; see :mod:`.emulate`)."""
+    the format its device's declared ``policy`` was emulated in (``""`` for none; see :mod:`.emulate`). Runs in
+    the replay's own torch state (:mod:`.state`)."""
+    with steady():
+        return _replay_backward(name, forward, backward, tensor_dir, policy)
+
+
+def _replay_backward(
+    name: str,
+    forward: dict[str, Any],
+    backward: dict[str, Any],
+    tensor_dir: Path,
+    policy: Policy | None,
+) -> tuple[OwnErrors, str, str]:
     target = resolve(name)
     if target.fn is None:
         return (), target.reason, ""

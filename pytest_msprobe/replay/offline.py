@@ -29,6 +29,7 @@ from pytest_msprobe.replay.apis import resolve
 from pytest_msprobe.replay.backward import replay_backward, run_call
 from pytest_msprobe.replay.emulate import autocast_of, emulation_for, emulator
 from pytest_msprobe.replay.standard import OwnError, judge_output
+from pytest_msprobe.replay.state import steady
 from pytest_msprobe.replay.values import (
     Unreplayable,
     flat,
@@ -104,7 +105,15 @@ def replay_call(
     name: str, entry: dict[str, Any], tensor_dir: Path, policy: Policy | None = None
 ) -> tuple[tuple[OwnError | None, ...], str, str]:
     """The own errors of one forward call's outputs, or ``((), reason)`` when it cannot be replayed, and the
-    format its device's declared ``policy`` was emulated in (``""`` for none; see :mod:`.emulate`)."""
+    format its device's declared ``policy`` was emulated in (``""`` for none; see :mod:`.emulate`). Runs in the
+    replay's own torch state (:mod:`.state`)."""
+    with steady():
+        return _replay_call(name, entry, tensor_dir, policy)
+
+
+def _replay_call(
+    name: str, entry: dict[str, Any], tensor_dir: Path, policy: Policy | None
+) -> tuple[tuple[OwnError | None, ...], str, str]:
     target = resolve(name)
     if target.fn is None:
         return (), target.reason, ""
