@@ -42,7 +42,7 @@ from pytest_msprobe.dump.values import Values
 from pytest_msprobe.format.names import BACKWARD, FORWARD, MODULE_PREFIX, parse_name
 from pytest_msprobe.format.own_errors import CallOwn
 from pytest_msprobe.format.precision import Policy
-from pytest_msprobe.replay.apis import Target, resolve
+from pytest_msprobe.replay.apis import Target, draws, resolve
 from pytest_msprobe.replay.backward import judge_gradients, node_gradients, run_call
 from pytest_msprobe.replay.emulate import Emulator, emulation_for, emulator
 from pytest_msprobe.replay.offline import judge_forward
@@ -192,6 +192,9 @@ class SelfCheck:
             self.autocast_seen = inputs.autocast
         emulating = emulator(emulation_for(self.policy, inputs.autocast, copied))
         args, kwargs = rebuild_inputs(copied, _leaf if grad else _held)
+        random = draws(target, args, kwargs)
+        if random:
+            return _Skip(random)
         state = _get_rng_state()
         try:
             replay, why = run_call(target, args, kwargs, grad, emulating)

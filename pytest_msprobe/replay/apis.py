@@ -3,8 +3,11 @@
 ``Functional.conv2d.0.forward`` is ``torch.nn.functional.conv2d``, ``Torch.matmul...`` ``torch.matmul``,
 ``Tensor.add_...`` the method ``torch.Tensor.add_`` (called with the tensor first), ``VF.lstm...``
 ``torch._VF.lstm``, ``Aten.add.Tensor...`` ``torch.ops.aten.add.Tensor``. A call that cannot be replayed
-faithfully gets a reason instead: random ops (their output is a draw, not a function of the inputs),
-collectives (they need the other ranks), NPU custom ops (they need torch_npu) and names torch does not have.
+faithfully gets a reason instead: random ops (their output is a draw, not a function of the inputs), those
+whose output is uninitialized memory (``empty_like``: whatever the allocator hands out), collectives (they need
+the other ranks), NPU custom ops (they need torch_npu) and names torch does not have; and, once its arguments
+are known (:func:`draws`), a call that draws with these arguments (attention with a dropout, a fractional
+max-pool without its samples).
 
 The callables of the four namespaces are torch's own, as :mod:`.pristine` captured them, whatever stands in
 torch's namespaces now (a faulty function a test put there, the dump's wrappers); an ``Aten`` overload is
@@ -29,6 +32,10 @@ RANDOM = frozenset(
         "native_dropout", "fused_dropout",
     }
 )  # fmt: skip
+# outputs that are uninitialized memory: what the allocator hands out, another each time
+UNINITIALIZED = frozenset(
+    {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"}
+)
 _NAMESPACES = frozenset({"Functional", "Torch", "Tensor", "VF"})  # captured by .pristine
 
 
@@ -64,6 +71,8 @@ def resolve(name: str) -> Target:
         return Target(api, None, "an NPU custom op: it needs torch_npu")
     if op.partition(".")[0] in RANDOM:  # (an Aten name carries its overload: native_dropout.default)
         return Target(api, None, "a random op: its output is a draw, not a function of its inputs")
+    if op.partition(".")[0] in UNINITIALIZED:
+        return Target(api, None, "its output is uninitialized memory, not a function of its inputs")
     if prefix == "Aten":
         fn = _aten(op) if op else None
     else:
@@ -71,3 +80,40 @@ def resolve(name: str) -> Target:
     if fn is None or not callable(fn):
         return Target(api, None, f"{api} is not an API this torch has")
     return Target(api, fn, "")
+
+
+# op -> (position, keyword) of its dropout probability, and of its training switch (None: it has none)
+_DROPOUT_AT = {
+    "scaled_dot_product_attention": ((4, "dropout_p"), None),
+    "multi_head_attention_forward": ((10, "dropout_p"), (13, "training")),
+}
+# op -> (position, keyword) of the samples that fix its pooling regions (drawn when absent)
+_SAMPLES_AT = {
+    "fractional_max_pool2d": (5, "_random_samples"),
+    "fractional_max_pool3d": (5, "_random_samples"),
+    "fractional_max_pool2d_with_indices": (5, "_random_samples"),
+    "fractional_max_pool3d_with_indices": (5, "_random_samples"),
+}
+
+
+def draws(target: Target, args: list[Any] | tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Why a call whose op draws only with some arguments draws with these (``""`` when it does not): an
+    attention with a dropout probability above 0 (and training, where the op has the switch), a fractional
+    max-pool without its ``_random_samples``. Its output is then a draw, as a random op's."""
+    op = target.api.partition(".")[2]
+
+    def arg(at: tuple[int, str], default: Any) -> Any:
+        position, keyword = at
+        if keyword in kwargs:
+            return kwargs[keyword]
+        return args[position] if position < len(args) else default
+
+    if op in _DROPOUT_AT:
+        p_at, training_at = _DROPOUT_AT[op]
+        p = arg(p_at, 0.0)
+        training = arg(training_at, True) if training_at is not None else True
+        if isinstance(p, (int, float)) and p > 0 and training:
+            return f"a random op with dropout_p={p}: its output is a draw, not a function of its inputs"
+    elif op in _SAMPLES_AT and arg(_SAMPLES_AT[op], None) is None:
+        return "a random op without _random_samples: its pooling regions are a draw"
+    return ""

@@ -20,7 +20,7 @@ import torch
 
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.precision import Policy
-from pytest_msprobe.replay.apis import Target, resolve
+from pytest_msprobe.replay.apis import Target, draws, resolve
 from pytest_msprobe.replay.emulate import Emulator, autocast_of, emulation_for, emulator
 from pytest_msprobe.replay.standard import OwnError, judge_output, sum_floor
 from pytest_msprobe.replay.state import steady
@@ -73,6 +73,9 @@ def _replay_backward(
         return (), str(exc), ""
     except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record
         return (), raised("rebuilding its inputs", exc), ""
+    random = draws(target, args, kwargs)
+    if random:
+        return (), random, ""
     emulating = emulator(emulation_for(policy, autocast_of(forward), forward))
     out, why = run_call(target, args, kwargs, True, emulating)
     if why:

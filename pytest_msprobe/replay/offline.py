@@ -25,7 +25,7 @@ from pytest_msprobe.format.files import read_json, write_text
 from pytest_msprobe.format.layout import TENSOR_DIR, discover
 from pytest_msprobe.format.names import BACKWARD, FORWARD, parse_name
 from pytest_msprobe.format.precision import Policy, checklist_policy
-from pytest_msprobe.replay.apis import resolve
+from pytest_msprobe.replay.apis import draws, resolve
 from pytest_msprobe.replay.backward import replay_backward, run_call
 from pytest_msprobe.replay.emulate import autocast_of, emulation_for, emulator
 from pytest_msprobe.replay.standard import OwnError, judge_output
@@ -126,6 +126,9 @@ def _replay_call(
         return (), str(exc), ""
     except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record
         return (), raised("rebuilding its inputs", exc), ""
+    random = draws(target, args, kwargs)
+    if random:
+        return (), random, ""
     emulating = emulator(emulation_for(policy, autocast_of(entry), entry))
     out, why = run_call(target, args, kwargs, False, emulating)
     if why:

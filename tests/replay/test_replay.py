@@ -167,3 +167,47 @@ def test_aten_names_resolve_to_their_overloads() -> None:
     assert resolve("Aten.mul.2.forward").fn is torch.ops.aten.mul
     assert "random op" in resolve("Aten.native_dropout.default.0.forward").reason
     assert "not an API this torch has" in resolve("Aten.no_such_op.default.0.forward").reason
+
+
+def test_calls_whose_output_is_a_draw_or_garbage_are_not_replayed(tmp_path: Path) -> None:
+    """An attention with dropout, a fractional max-pool without its samples and ``empty_like`` give another
+    output each time they run (a draw, whatever the allocator hands out): their replay would judge the dumped
+    output against another draw, and change with the generator or the memory of the process that replays. They
+    are skipped with the reason, online and offline alike; the same attention without dropout is replayed."""
+    import torch.nn.functional as F
+
+    from tests.dump.self_check_sidecars import sidecar_calls
+
+    seed_all(5)
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    debugger = PrecisionDebugger(
+        task="tensor", dump_path=str(tmp_path / "d"), level="L1", step=[0], self_check=True
+    )
+    debugger.start()
+    drawn = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    plain = F.scaled_dot_product_attention(q, q, q)
+    pooled = F.fractional_max_pool2d(q, 2, output_size=(5, 3))
+    garbage = torch.empty_like(plain)
+    (drawn.sum() + plain.sum() + pooled.sum() + garbage.copy_(plain).sum()).backward()
+    debugger.stop()
+    debugger.step()
+    debugger.close()
+    torch.manual_seed(1)
+    first = replay_dump(tmp_path / "d")
+    torch.manual_seed(2)
+    assert replay_dump(tmp_path / "d") == first  # nothing of it depends on the generator
+    calls = {c.name: c for c in first.calls}
+    for name, why in (
+        ("Functional.scaled_dot_product_attention.0", "a random op with dropout_p=0.5"),
+        ("Functional.fractional_max_pool2d.0", "a random op without _random_samples"),
+        ("Torch.empty_like.0", "uninitialized memory"),
+    ):
+        assert why in calls[f"{name}.forward"].skipped, calls[f"{name}.forward"]
+    assert "_random_samples" in calls["Functional.fractional_max_pool2d.0.backward"].skipped
+    assert "dropout_p" in calls["Functional.scaled_dot_product_attention.0.backward"].skipped
+    for direction in ("forward", "backward"):
+        replayed = calls[f"Functional.scaled_dot_product_attention.1.{direction}"]
+        assert not replayed.skipped and not replayed.out_of_line, replayed
+    online = sidecar_calls(tmp_path / "d")
+    for call in first.calls:  # the self-check skipped the same calls for the same reasons
+        assert online[(0, call.name)].skipped == call.skipped, call.name
