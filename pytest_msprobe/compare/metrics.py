@@ -199,9 +199,16 @@ def tensor_metrics(
     return _finish(acc, acc.count)
 
 
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    """``x . y`` of two flat arrays, by numpy's own loop: BLAS (``np.dot``) splits a long product over its
+    threads, as many as the machine has CPUs or ``OPENBLAS_NUM_THREADS`` says, and a float64 sum split otherwise
+    rounds otherwise. (It is also faster: BLAS wakes its threads for every block.)"""
+    return float(np.einsum("i,i->", x, y))
+
+
 def _block(acc: _Acc, a: np.ndarray, b: np.ndarray, d: np.ndarray, r: np.ndarray) -> bool:
-    aa = float(np.dot(a, a))
-    bb = float(np.dot(b, b))
+    aa = _dot(a, a)
+    bb = _dot(b, b)
     if not (math.isfinite(aa) and math.isfinite(bb)):
         fa, fb = np.isfinite(a), np.isfinite(b)
         if not fa.all() or not fb.all():
@@ -214,14 +221,14 @@ def _block(acc: _Acc, a: np.ndarray, b: np.ndarray, d: np.ndarray, r: np.ndarray
             b = np.where(fb, b, 0)
         # large finite values can overflow a float32 dot: accumulate this block in float64
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
-        aa, bb, ab = float(np.dot(a64, a64)), float(np.dot(b64, b64)), float(np.dot(a64, b64))
+        aa, bb, ab = _dot(a64, a64), _dot(b64, b64), _dot(a64, b64)
         d64 = a64 - b64
-        dd = float(np.dot(d64, d64))
+        dd = _dot(d64, d64)
         np.copyto(d, d64, casting="unsafe")
     else:
-        ab = float(np.dot(a, b))
+        ab = _dot(a, b)
         np.subtract(a, b, out=d)
-        dd = float(np.dot(d, d))
+        dd = _dot(d, d)
     acc.aa += aa
     acc.ab += ab
     acc.bb += bb
@@ -284,17 +291,17 @@ def _track_fill(
         rd = ra - rb
         _to_rest(
             acc,
-            float(np.dot(ra, ra)),
-            float(np.dot(rb, rb)),
-            float(np.dot(rd, rd)),
+            _dot(ra, ra),
+            _dot(rb, rb),
+            _dot(rd, rd),
             max(float(np.abs(ra).max()), float(np.abs(rb).max())),
             float(np.abs(rd).max()),
         )
     fa, fb = a[band].astype(np.float64), b[band].astype(np.float64)
     fd = fa - fb
-    acc.fill_aa += float(np.dot(fa, fa))
-    acc.fill_bb += float(np.dot(fb, fb))
-    acc.fill_dd += float(np.dot(fd, fd))
+    acc.fill_aa += _dot(fa, fa)
+    acc.fill_bb += _dot(fb, fb)
+    acc.fill_dd += _dot(fd, fd)
     acc.fill_d = max(acc.fill_d, float(np.abs(fd).max()))
     acc.fill_top_a = max(acc.fill_top_a, float(np.abs(fa).max()))
     acc.fill_low = min(acc.fill_low, float(np.abs(fb).min()))

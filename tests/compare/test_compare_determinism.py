@@ -173,3 +173,29 @@ def test_the_hash_seed_changes_nothing(wide: tuple[Path, Path]) -> None:
         for t, b in [*_real_pairs(), wide]
     ]
     assert len(runs[0]) == len(here) and runs[0] == runs[1] == here
+
+
+_METRICS = """
+import numpy as np
+from pytest_msprobe.compare.metrics import tensor_metrics
+rng = np.random.default_rng(4)
+for dtype in (np.float64, np.float32):
+    b = rng.standard_normal(300_000).astype(dtype)
+    t = (b * (1 + 1e-4 * rng.standard_normal(b.size))).astype(dtype)
+    print(repr(tensor_metrics(t, b)))
+"""
+
+
+def test_blas_threads_change_no_metric() -> None:
+    """The tensor metrics' sums of products: BLAS splits a long float64 product over its threads (as many as
+    the machine has CPUs, or OPENBLAS_NUM_THREADS says), numpy's own loop does not."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.fspath(ROOT), os.environ.get("PYTHONPATH", "")])}
+    outs = []
+    for threads in ("1", "2", "3"):
+        blas = {name: threads for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        done = subprocess.run(
+            [sys.executable, "-c", _METRICS], env={**env, **blas}, capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        outs.append(done.stdout)
+    assert outs[0].count("TensorMetrics") == 2 and outs[1] == outs[0] and outs[2] == outs[0]
