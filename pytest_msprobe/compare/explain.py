@@ -265,7 +265,7 @@ def _noise_elements_explain(
             if not np.isfinite(scale) or float(np.max(gap, initial=0.0)) > tol.error * scale:
                 return False  # the input differs measurably at its own scale: that is no noise
             hidden |= gap > tol.error * size  # its own precision lost: a value of rounding size
-    except (DumpFormatError, OSError, ValueError, MemoryError):
+    except (DumpFormatError, OSError, ValueError):  # (out of memory is the machine's state: it raises)
         return False
     if not hidden.any():
         return False

@@ -30,6 +30,7 @@ from pytest_msprobe.replay.values import (
     flat,
     is_tensor_node,
     load_tensor,
+    out_of_memory,
     raised,
     rebuild_inputs,
 )
@@ -100,6 +101,8 @@ def run_call(
         with torch.enable_grad() if grad else torch.no_grad(), emulating or nullcontext():
             return target.fn(*args, **kwargs), ""
     except Exception as exc:  # a call its own recorded inputs do not rebuild: say so, do not guess
+        if out_of_memory(exc):  # (the machine's state, not the call's: skipping would change the verdict)
+            raise
         return None, raised("the replay", exc)
 
 
@@ -135,6 +138,8 @@ def node_gradients(
         with emulating or nullcontext():
             given = node(*incoming)
     except Exception as exc:
+        if out_of_memory(exc):
+            raise
         return [], raised("the replay's backward", exc)
     given = list(given) if isinstance(given, tuple) else [given]
     if len(given) != expected:

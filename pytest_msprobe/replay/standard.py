@@ -24,6 +24,7 @@ import torch
 
 from pytest_msprobe.format.own_errors import SHARE_BOUNDS, OwnError
 from pytest_msprobe.replay.figures import figures
+from pytest_msprobe.replay.values import out_of_memory
 
 # dtype -> (small-value bound, absolute error allowed on small values, relative-error bound and share bound)
 _STANDARD = {
@@ -119,7 +120,9 @@ def judge_output(
             if not sum_to_shape:
                 raise RuntimeError
             got = got.sum_to_size(want.shape)
-        except RuntimeError:
+        except RuntimeError as exc:
+            if out_of_memory(exc):
+                raise
             return shape_error(dtype, tuple(got.shape), tuple(want.shape), want.numel())
     if not want.is_floating_point():
         return None

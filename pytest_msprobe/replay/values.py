@@ -100,6 +100,17 @@ def raised(what: str, exc: BaseException) -> str:
     return f"{what} raised {type(exc).__name__}: {text}" if text else f"{what} raised {type(exc).__name__}"
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says the process ran out of memory (numpy's MemoryError, torch's allocator refusing): a
+    state of the machine at that moment, not of the call, so a replay raises it instead of skipping the call."""
+    if isinstance(exc, MemoryError):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return "DefaultCPUAllocator" in text or "out of memory" in text.lower()
+
+
 def rebuild_inputs(
     entry: dict[str, Any], tensor: Callable[[dict[str, Any]], torch.Tensor]
 ) -> tuple[Any, Any]:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from compare_helpers import tensor
 
 from pytest_msprobe.compare import compare
@@ -161,3 +162,21 @@ def test_a_tensor_dump_still_fails_an_update_that_is_wrong_everywhere(tmp_path: 
     failing = {r.row for r in result.rows if r.status == ERROR}
     assert "Tensor.addcdiv_.1.forward.output.0" in failing
     assert not any("rounding noise" in r.reason for r in result.rows if r.status != PASS)
+
+
+def test_running_out_of_memory_in_the_noise_check_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The update's tensors are read whole to see where it differs: out of memory there says nothing of the
+    update (the compare above passes on an idle machine), so it raises instead of leaving the update an error."""
+    from pytest_msprobe.compare import explain
+
+    baseline = _adam_run(tmp_path / "baseline", noise=0.0)
+    target = _adam_run(tmp_path / "target", noise=0.03)
+
+    def exhausted(*args: object) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(explain, "_values", exhausted)
+    with pytest.raises(MemoryError):
+        compare(target, baseline, jobs=1)

@@ -211,3 +211,36 @@ def test_calls_whose_output_is_a_draw_or_garbage_are_not_replayed(tmp_path: Path
     online = sidecar_calls(tmp_path / "d")
     for call in first.calls:  # the self-check skipped the same calls for the same reasons
         assert online[(0, call.name)].skipped == call.skipped, call.name
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        MemoryError(),
+        RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"),
+    ],
+    ids=["numpy", "torch"],
+)
+def test_a_replay_that_runs_out_of_memory_raises_instead_of_skipping_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    """Out of memory is the machine's state at that moment, not the call's: a call skipped for it would leave
+    its own error out of the verdict on a loaded machine and in it on an idle one. Any other error of the
+    replay skips the call with the reason."""
+    from pytest_msprobe.replay import pristine
+
+    dump = _dump(tmp_path / "dump")
+
+    def raising(exc: Exception) -> Callable[..., torch.Tensor]:
+        def fn(*args: object, **kwargs: object) -> torch.Tensor:
+            raise exc
+
+        return fn
+
+    pristine.capture()  # (the replay runs torch's functions as captured: the relu it runs is replaced there)
+    monkeypatch.setitem(pristine._CAPTURED["Functional"], "relu", raising(error))
+    with pytest.raises(type(error)):
+        replay_dump(dump)
+    monkeypatch.setitem(pristine._CAPTURED["Functional"], "relu", raising(RuntimeError("bad")))
+    calls = {c.name: c for c in replay_dump(dump).calls}
+    assert calls["Functional.relu.0.forward"].skipped == "the replay raised RuntimeError: bad"
