@@ -46,6 +46,16 @@ class DumpFormatError(MsprobeError):
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")
 
+    def __reduce__(self) -> tuple[type[DumpFormatError], tuple[str, str]]:
+        # (pickled as its own two arguments: it crosses from a compare's worker process whole)
+        return type(self), (self.path, self.problem)
+
+
+class DumpReadError(DumpFormatError):
+    """A dump's file is there, but the system did not give its bytes this time (an I/O error, too many open
+    files, no memory): the machine's state at that moment, not the dump's. Nothing takes it for the dump's (a
+    helper file as absent, a call as not replayable): it stops the compare."""
+
 
 class BaselineError(MsprobeError):
     """A baseline is missing, incomplete or cannot be written."""

@@ -20,7 +20,7 @@ from pytest_msprobe.compare.records import OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.result import ERROR, PASS, WARNING
 from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.compare.thresholds import Thresholds
-from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import TENSOR_DIR
 from pytest_msprobe.format.names import FORWARD
 from pytest_msprobe.format.optimizer import is_update
@@ -265,7 +265,9 @@ def _noise_elements_explain(
             if not np.isfinite(scale) or float(np.max(gap, initial=0.0)) > tol.error * scale:
                 return False  # the input differs measurably at its own scale: that is no noise
             hidden |= gap > tol.error * size  # its own precision lost: a value of rounding size
-    except (DumpFormatError, OSError, ValueError):  # (out of memory is the machine's state: it raises)
+    except DumpReadError:  # (as out of memory, the machine's state at that moment: it raises)
+        raise
+    except (DumpFormatError, OSError, ValueError):
         return False
     if not hidden.any():
         return False

@@ -43,7 +43,7 @@ from pytest_msprobe.compare.records import (
     flatten_entry,
     read_stack,
 )
-from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.checklist import read_checklist
 from pytest_msprobe.format.layout import CONSTRUCT_JSON
 from pytest_msprobe.format.names import BACKWARD, OPTIMIZER_NODE, parse_name
@@ -170,6 +170,8 @@ class _Side:
         """(whether the side's checklist.json could be read, its document or None without one), read once."""
         try:
             self._checklist = self._checklist or (True, read_checklist(self.dump.path))
+        except DumpReadError:
+            raise
         except DumpFormatError:  # (the checklist compare reports it)
             self._checklist = (False, None)
         return self._checklist

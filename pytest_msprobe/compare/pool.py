@@ -23,7 +23,7 @@ from pytest_msprobe.compare.records import Leaf
 from pytest_msprobe.compare.result import DumpPair
 from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.compare.thresholds import Thresholds
-from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import DumpLocation
 
 Unusable = tuple[str, str]  # the (path, problem) of a DumpFormatError
@@ -95,6 +95,8 @@ def tensor_metrics_of(files: list[tuple[TensorRef, TensorRef]], jobs: int) -> li
 def _metrics_of(files: tuple[TensorRef, TensorRef]) -> TensorMetrics | Unusable:
     try:
         return tensor_metrics(open_tensor(*files[0]), open_tensor(*files[1]))
+    except DumpReadError:  # (not the dump's problem but the machine's: raised as it is)
+        raise
     except DumpFormatError as exc:
         return (exc.path, exc.problem)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.layout import STACK_JSON, TENSOR_DIR, DumpLocation, missing_reason
 from pytest_msprobe.format.names import NameParts, is_parameters_grad, parse_name
@@ -364,11 +364,14 @@ def read_stack(dump_json: Path) -> dict[str, list[str]]:
 
 def read_helper_json(path: Path) -> Any:
     """A JSON file that only helps a compare (stack.json, construct.json): its document, None where it is absent
-    or unusable (a compare does not fail for it)."""
+    or unusable (a compare does not fail for it). A file the system could not read this time
+    (:class:`DumpReadError`) is neither: it raises, since the compare would read it another time."""
     if not path.is_file():
         return None
     try:
         return read_json(path)
+    except DumpReadError:
+        raise
     except DumpFormatError:
         return None
 

@@ -51,7 +51,7 @@ from pytest_msprobe.compare.result import (
 )
 from pytest_msprobe.compare.stat_relations import broken
 from pytest_msprobe.compare.thresholds import Thresholds
-from pytest_msprobe.errors import ConfigError, DumpFormatError
+from pytest_msprobe.errors import ConfigError, DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import DumpLocation, discover
 from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.format.own_errors import SELF_CHECK_JSON
@@ -350,6 +350,8 @@ def _compare_pair(task: PairTask) -> Builder | Unusable:
         if plan.opaque:
             builder.opaque.update(i for i, call in enumerate(builder.apis) if call.api in plan.opaque)
         builder.add_tensor_metrics(tensor_metrics_of(builder.tensor_files(), task.jobs))
+    except DumpReadError:  # (not the dump's problem but the machine's: raised as it is)
+        raise
     except DumpFormatError as exc:
         return (exc.path, exc.problem)
     place_modules(builder, t_dump, b_dump)

@@ -8,6 +8,7 @@ the file and the problem.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -16,10 +17,39 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.errors import ConfigError, DumpFormatError, PathLike
+from pytest_msprobe.errors import ConfigError, DumpFormatError, DumpReadError, PathLike
 
 # error(path, problem) -> the exception to raise
 ErrorFactory = Callable[[Path, str], Exception]
+
+# what the system says when it is short of something at that moment (not what the file is: absent, a folder,
+# forbidden, damaged): reading it again may well succeed
+MACHINE_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EIO",
+        "EINTR",
+        "EAGAIN",
+        "ENOMEM",
+        "EMFILE",
+        "ENFILE",
+        "ENOBUFS",
+        "EBUSY",
+        "ETIMEDOUT",
+        "ESTALE",
+    )
+    if hasattr(errno, name)
+)
+
+
+def unreadable(path: PathLike, exc: OSError, what: str = "cannot read") -> DumpFormatError:
+    """The error of a dump's file the system refused to read: :class:`DumpReadError` where the refusal is the
+    machine's state at that moment (:data:`MACHINE_ERRNOS`), a plain :class:`DumpFormatError` where it is the
+    file's (absent, forbidden, a folder)."""
+    problem = f"{what} ({exc.strerror or exc})"
+    if exc.errno in MACHINE_ERRNOS:
+        return DumpReadError(path, problem)
+    return DumpFormatError(path, problem)
 
 
 def _umask() -> int:
@@ -83,6 +113,8 @@ def read_json(path: PathLike, error: ErrorFactory = DumpFormatError) -> Any:
     except IsADirectoryError:
         raise error(path, "is a folder, not a file") from None
     except OSError as exc:
+        if error is DumpFormatError:
+            raise unreadable(path, exc) from None
         raise error(path, f"cannot read ({exc.strerror or exc})") from None
     return parse_json(path, raw, error)
 

@@ -7,6 +7,7 @@ values are compared as interleaved reals.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.files import unreadable
 
 # torch dtype name -> (numpy dtype of the bytes on disk, little-endian)
 DISK_DTYPES: dict[str, str] = {
@@ -89,6 +91,18 @@ def widen(raw: np.ndarray, dtype: str) -> np.ndarray:
     return raw.astype(target, copy=False)
 
 
+def _read_into(fh: io.RawIOBase, buf: memoryview) -> int:
+    """Fill ``buf`` from ``fh``: the bytes read, fewer only at the end of the file. One read of a raw file
+    may give fewer bytes than asked and more remain (Linux gives at most 2 GiB a read; a signal cuts one short)."""
+    done = 0
+    while done < len(buf):
+        got = fh.readinto(buf[done:])
+        if not got:
+            break
+        done += got
+    return done
+
+
 @dataclass(frozen=True)
 class TensorFile:
     """One dumped tensor, opened but not read: its torch dtype, shape, and how to read its values.
@@ -125,7 +139,7 @@ class TensorFile:
         try:
             fh = open(self.path, "rb", buffering=0)  # noqa: SIM115 (closed below, across the yields)
         except OSError as exc:
-            raise DumpFormatError(self.path, f"cannot read tensor file ({exc.strerror or exc})") from None
+            raise unreadable(self.path, exc, "cannot read tensor file") from None
         with fh:
             fh.seek(self.data_offset)
             buf = np.empty(min(block, total), dtype=disk)
@@ -133,11 +147,9 @@ class TensorFile:
                 count = min(block, total - start)
                 view = buf[:count]
                 try:
-                    got = fh.readinto(view.view(np.uint8).data)
+                    got = _read_into(fh, view.view(np.uint8).data)
                 except OSError as exc:
-                    raise DumpFormatError(
-                        self.path, f"cannot read tensor data ({exc.strerror or exc})"
-                    ) from None
+                    raise unreadable(self.path, exc, "cannot read tensor data") from None
                 if got != count * disk.itemsize:
                     raise DumpFormatError(self.path, "tensor data is truncated")
                 yield widen(view if disk.isnative else view.astype(disk.newbyteorder("=")), self.dtype)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.files import unreadable
 from pytest_msprobe.format.tensordata import DISK_DTYPES, TensorFile
 from pytest_msprobe.format.torchzip import open_torch_zip
 
@@ -51,7 +52,7 @@ def open_tensor(
         with open(path, "rb") as fh:
             magic = fh.read(len(LEGACY_MAGIC))
     except OSError as exc:
-        raise DumpFormatError(path, f"cannot read tensor file ({exc.strerror or exc})") from None
+        raise unreadable(path, exc, "cannot read tensor file") from None
     if not magic:
         raise DumpFormatError(path, "empty file (0 bytes)")
     if magic.startswith(b"\x93NUMPY"):

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.files import MACHINE_ERRNOS, unreadable
 from pytest_msprobe.format.tensordata import DISK_DTYPES, TensorFile
 
 # ----------------------------------------------------------------------------------------- restricted pickle
@@ -197,6 +198,13 @@ _ZIP_ERRORS = (
 )
 
 
+def _zip_error(path: str, exc: BaseException) -> DumpFormatError:
+    """A damaged archive; or, for an OSError that is the machine's state, the file unread this time."""
+    if isinstance(exc, OSError) and exc.errno in MACHINE_ERRNOS:
+        return unreadable(path, exc, "cannot read tensor file")
+    return DumpFormatError(path, f"corrupt torch archive ({str(exc) or type(exc).__name__})")
+
+
 def open_torch_zip(path: str, file_size: int) -> TensorFile:
     """The tensor of the ``torch.save`` archive at ``path`` (``file_size`` bytes): its pickle read and checked,
     its values left on disk where they are stored uncompressed and contiguous."""
@@ -217,7 +225,7 @@ def open_torch_zip(path: str, file_size: int) -> TensorFile:
                     raise DumpFormatError(path, f"unknown byteorder ({order.file_size} bytes)")
                 byteorder = archive.read(order).decode("ascii", "replace").strip()
     except _ZIP_ERRORS as exc:
-        raise DumpFormatError(path, f"corrupt torch archive ({str(exc) or type(exc).__name__})") from None
+        raise _zip_error(path, exc) from None
     if byteorder not in ("little", "big"):
         raise DumpFormatError(path, f"unknown byteorder {byteorder!r}")
 
@@ -265,7 +273,7 @@ def open_torch_zip(path: str, file_size: int) -> TensorFile:
     try:
         raw = _read_member(path, member, disk, storage_elems)
     except _ZIP_ERRORS as exc:
-        raise DumpFormatError(path, f"corrupt torch archive ({str(exc) or type(exc).__name__})") from None
+        raise _zip_error(path, exc) from None
     if raw.size != storage_elems:  # as_strided must never reach past the bytes read
         raise DumpFormatError(path, "tensor data is truncated")
     view = np.lib.stride_tricks.as_strided(
@@ -293,7 +301,7 @@ def _member_data_offset(path: str, member: zipfile.ZipInfo) -> int:
             fh.seek(member.header_offset)
             header = fh.read(30)
     except OSError as exc:
-        raise DumpFormatError(path, f"cannot read tensor file ({exc.strerror or exc})") from None
+        raise unreadable(path, exc, "cannot read tensor file") from None
     if len(header) != 30 or header[:4] != b"PK\x03\x04":
         raise DumpFormatError(path, "corrupt torch archive (bad local header)")
     name_len, extra_len = struct.unpack("<HH", header[26:30])

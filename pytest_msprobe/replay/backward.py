@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.precision import Policy
 from pytest_msprobe.replay.apis import Target, draws, resolve
 from pytest_msprobe.replay.emulate import Emulator, autocast_of, emulation_for, emulator
@@ -70,6 +70,8 @@ def _replay_backward(
         ]
         recorded = flat(backward.get("output", []))
         dumped = [load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in recorded]
+    except DumpReadError:  # (the machine's state, not the dump's: skipping would change the verdict)
+        raise
     except (Unreplayable, DumpFormatError) as exc:
         return (), str(exc), ""
     except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record

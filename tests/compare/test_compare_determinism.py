@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
+import io
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from compare_helpers import dump_dir, seeded
@@ -199,3 +202,111 @@ def test_blas_threads_change_no_metric() -> None:
         assert done.returncode == 0, done.stderr[-2000:]
         outs.append(done.stdout)
     assert outs[0].count("TensorMetrics") == 2 and outs[1] == outs[0] and outs[2] == outs[0]
+
+
+# ------------------------------------------------------------------------------------- the system's refusals
+def _refusing(real_open: Any, suffixes: tuple[str, ...], err: int) -> Any:
+    """``open`` that fails with ``err`` on the files whose names end with ``suffixes``."""
+
+    def fake(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file).endswith(suffixes):
+            raise OSError(err, os.strerror(err), os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    return fake
+
+
+FOREACH = (dump_dir("26.2.0", "foreach", "stat_L1"), dump_dir("26.2.0", "bench", "stat_L1"))
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_helper_file_the_system_fails_to_read_stops_the_compare(
+    monkeypatch: pytest.MonkeyPatch, jobs: int
+) -> None:
+    """stack.json and construct.json help a compare find the optimizer's calls: a foreach SGD, which plain
+    msprobe does not record, against a single-tensor one passes by setting its calls aside. An I/O error while
+    reading them this time is not their absence (the same compare failed, its optimizer calls left unmatched):
+    it raises, from a worker process too. A file that cannot be read for what it is (forbidden) is still taken
+    as absent, every time."""
+    from pytest_msprobe.errors import DumpReadError
+    from pytest_msprobe.format import files
+
+    assert compare(*FOREACH, jobs=jobs).passed
+    monkeypatch.setattr(
+        files, "open", _refusing(open, ("construct.json", "stack.json"), errno.EIO), raising=False
+    )
+    with pytest.raises(DumpReadError, match=r"construct\.json: cannot read \(Input/output error\)"):
+        compare(*FOREACH, jobs=jobs)
+    monkeypatch.setattr(
+        files, "open", _refusing(open, ("construct.json", "stack.json"), errno.EACCES), raising=False
+    )
+    assert not compare(*FOREACH, jobs=jobs).passed  # (without them the optimizer's calls are not found)
+
+
+def test_a_tensor_file_the_system_fails_to_read_stops_the_replay(
+    monkeypatch: pytest.MonkeyPatch, wide: tuple[Path, Path]
+) -> None:
+    """The replay reads each call's tensors again: an I/O error there skipped the call (its own error left out
+    of the verdict) where the compare's own read of the same file had succeeded. It raises; a tensor file that
+    is not there still skips its call."""
+    from pytest_msprobe.errors import DumpReadError
+    from pytest_msprobe.format import tensordata
+    from pytest_msprobe.replay.offline import replay_dump
+
+    target = wide[0] / "step0"
+    monkeypatch.setattr(tensordata, "open", _refusing(open, (".pt",), errno.EIO), raising=False)
+    with pytest.raises(DumpReadError, match="cannot read tensor file"):
+        replay_dump(target)
+    monkeypatch.setattr(
+        tensordata,
+        "open",
+        _refusing(open, ("layer_norm.0.forward.output.0.pt",), errno.ENOENT),
+        raising=False,
+    )
+    calls = {c.name: c for c in replay_dump(target).calls}
+    assert "No such file" in calls["Functional.layer_norm.0.forward"].skipped
+
+
+class _Trickle(io.RawIOBase):
+    """A raw file that gives at most 1000 bytes a read, as a read cut short by a signal does."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b)
+        return self.raw.readinto(view[: min(len(view), 1000)])
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.raw.seek(offset, whence)
+
+    def close(self) -> None:
+        self.raw.close()
+        super().close()
+
+
+def test_a_read_cut_short_is_read_on(monkeypatch: pytest.MonkeyPatch, wide: tuple[Path, Path]) -> None:
+    """A read of a raw file may give fewer bytes than asked while more remain (a signal, a read past 2 GiB):
+    the rest is read, not taken for a truncated file."""
+    from pytest_msprobe.format import tensordata
+
+    before = fingerprint(compare(*wide, jobs=1))
+    real_open = open
+    monkeypatch.setattr(tensordata, "open", lambda *a, **k: _Trickle(real_open(*a, **k)), raising=False)
+    assert fingerprint(compare(*wide, jobs=1)) == before
+
+
+def test_a_dump_error_survives_the_way_back_from_a_worker() -> None:
+    import pickle
+
+    from pytest_msprobe.errors import DumpFormatError, DumpReadError
+
+    for cls in (DumpFormatError, DumpReadError):
+        back = pickle.loads(pickle.dumps(cls("a/dump.json", "cannot read (Input/output error)")))
+        assert type(back) is cls and (back.path, back.problem) == (
+            "a/dump.json",
+            "cannot read (Input/output error)",
+        )
