@@ -7,6 +7,9 @@ loaded machine or an idle one, gives the same own errors to the last bit.
   one, and the caller's count is put back after.
 - **Out of inference mode.** A backward replay needs autograd: under a caller's ``torch.inference_mode()``
   every backward call would be skipped.
+- **torch's default dtype, float32.** A recorded call that makes a tensor from numbers alone
+  (``torch.full((512,), 0.1)``) makes it in the default dtype: under a caller's float64 default its replay
+  would hold 0.1 where the dump holds float32's nearest value.
 - **The CPU generator seeded, at each call.** A call whose output is a draw is not replayed
   (:data:`pytest_msprobe.replay.apis.RANDOM`); should one draw anyway, it draws the same numbers every time,
   not the caller's next ones. The caller's generator state is put back after.
@@ -28,9 +31,11 @@ SEED = 0  # the CPU generator's seed at each replayed call
 @contextlib.contextmanager
 def steady() -> Iterator[None]:
     """Run the body (one call's replay and its judging) in the state of the module docstring."""
-    threads = torch.get_num_threads()
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
     if threads != 1:
         torch.set_num_threads(1)
+    if dtype != torch.float32:
+        torch.set_default_dtype(torch.float32)
     try:
         with torch.inference_mode(False), torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(SEED)
@@ -38,3 +43,5 @@ def steady() -> Iterator[None]:
     finally:
         if threads != 1:
             torch.set_num_threads(threads)
+        if dtype != torch.float32:
+            torch.set_default_dtype(dtype)

@@ -37,7 +37,7 @@ def fingerprint(result: CompareResult) -> str:
 def wide(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Tensor dumps (two steps) of a layer wide enough for torch and the judging of its own errors to split
     their sums over threads: a linear layer's 512x512 output (a quarter million elements), its layer norm (whose
-    weight gradient sums over 512 rows) and the sum of its squares as the loss. The target's layer norm has another
+    weight gradient sums over 512 rows) and the sum of its squares (and of it times a ``torch.full``) as the loss. The target's layer norm has another
     eps: the compare fails and names it."""
     import torch
     import torch.nn.functional as F
@@ -59,7 +59,7 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
                     debugger.start()
                     h = linear(x)
                     y = F.layer_norm(h, (512,), norm.weight, norm.bias, eps=1e-2 if fault else 1e-5)
-                    loss = torch.sum(y * y) / y.numel()
+                    loss = torch.sum(y * y) / y.numel() + torch.sum(y * torch.full((512,), 0.1))
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
@@ -111,13 +111,19 @@ def test_processes_change_nothing(wide: tuple[Path, Path]) -> None:
 
 
 def test_the_callers_torch_state_changes_nothing(wide: tuple[Path, Path]) -> None:
-    """Under the caller's inference mode (no backward replay could run), with its generator anywhere (a replay
-    that draws would draw from it): the same compare, and the caller's generator is left where it was."""
+    """Under the caller's inference mode (no backward replay could run), its default dtype float64, with its
+    generator anywhere (a replay that draws would draw from it): the same compare, and the caller's generator is
+    left where it was."""
     import torch
 
     plain = fingerprint(compare(*wide, jobs=1))
     with torch.inference_mode():
         assert fingerprint(compare(*wide, jobs=1)) == plain
+    torch.set_default_dtype(torch.float64)  # (the replay of torch.full((512,), 0.1) makes its tensor in it)
+    try:
+        assert fingerprint(compare(*wide, jobs=1)) == plain
+    finally:
+        torch.set_default_dtype(torch.float32)
     torch.manual_seed(123)
     state = torch.get_rng_state()
     assert fingerprint(compare(*wide, jobs=1)) == plain
