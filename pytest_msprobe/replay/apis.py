@@ -79,6 +79,11 @@ def resolve(name: str) -> Target:
         fn = pristine.lookup(prefix, op) if prefix in _NAMESPACES and op else None
     if fn is None or not callable(fn):
         return Target(api, None, f"{api} is not an API this torch has")
+    other = pristine.replaced(prefix, op) if prefix in _NAMESPACES else ""
+    if other:
+        return Target(
+            api, None, f"{api} stood replaced by {other} when torch's functions were taken: not torch's own"
+        )
     return Target(api, fn, "")
 
 

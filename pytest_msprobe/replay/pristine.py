@@ -9,6 +9,9 @@ carries :data:`ORIGINAL`) is taken as the function it wraps.
 The pytest plugin calls :func:`capture_when_torch_loads` when it is imported (before any conftest or test
 module): the snapshot is taken right after torch's own import, without importing torch for runs that never do.
 Without the plugin the snapshot is taken on first use (the dump takes it when a self-checking debugger is made).
+A function that something else had replaced by then (:func:`replaced_by`: a function not defined in torch's
+modules) is noted, and its calls are not replayed (:func:`pytest_msprobe.replay.apis.resolve` says why): a replay
+never runs what the process happened to hold.
 
 Imports torch only when capturing; never pytest.
 """
@@ -27,6 +30,8 @@ from typing import Any
 ORIGINAL = "__msprobe_original__"
 
 _CAPTURED: dict[str, dict[str, Any]] = {}
+# (space, name) -> what stood in place of torch's own function when the snapshot was taken (replaced_by)
+_REPLACED: dict[tuple[str, str], str] = {}
 
 
 def capture() -> None:
@@ -46,12 +51,47 @@ def capture() -> None:
     _CAPTURED.update(
         {space: {name: _unwrapped(fn) for name, fn in fns.items()} for space, fns in spaces.items()}
     )
+    _REPLACED.update(
+        {
+            (space, name): by
+            for space, fns in _CAPTURED.items()
+            for name, fn in fns.items()
+            if (by := replaced_by(fn))
+        }
+    )
 
 
 def lookup(space: str, name: str) -> Any:
     """torch's own ``name`` in ``space`` (``Functional``, ``Torch``, ``Tensor``, ``VF``), or None."""
     capture()
     return _CAPTURED.get(space, {}).get(name)
+
+
+def replaced(space: str, name: str) -> str:
+    """What stood in place of torch's own ``name`` of ``space`` when the snapshot was taken (``""``: torch's)."""
+    capture()
+    return _REPLACED.get((space, name), "")
+
+
+def replaced_by(fn: Any) -> str:
+    """What stands in a torch namespace in place of torch's own function (``"test_faults.noisy"``), ``""`` for
+    torch's own. Seen where the snapshot was taken after something replaced it (without the plugin the snapshot
+    is taken on first use): a replay of it would run that, and its verdict would depend on the process's history,
+    not on the dump. Only functions and the methods of objects tell: torch's are defined in torch's modules."""
+    if isinstance(fn, type):
+        return ""
+    if isinstance(fn, types.MethodType):
+        owner = fn.__self__
+        parts: list[Any] = [fn.__func__, owner if isinstance(owner, type) else type(owner)]
+    elif isinstance(fn, types.FunctionType):
+        parts = [fn]
+    else:  # a C function or descriptor (their module is torch's or none), a callable object, a partial
+        parts = [fn if isinstance(getattr(fn, "__module__", None), str) else type(fn)]
+    for part in parts:
+        module = getattr(part, "__module__", None) or ""
+        if module.split(".")[0] not in ("torch", "builtins"):
+            return f"{module}.{getattr(part, '__qualname__', getattr(type(part), '__qualname__', '?'))}"
+    return ""
 
 
 def _unwrapped(value: Any) -> Any:
@@ -97,6 +137,7 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
                 capture()
             except Exception:  # never break torch's import: the snapshot is then taken on first use
                 _CAPTURED.clear()
+                _REPLACED.clear()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

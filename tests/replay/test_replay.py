@@ -244,3 +244,21 @@ def test_a_replay_that_runs_out_of_memory_raises_instead_of_skipping_the_call(
     monkeypatch.setitem(pristine._CAPTURED["Functional"], "relu", raising(RuntimeError("bad")))
     calls = {c.name: c for c in replay_dump(dump).calls}
     assert calls["Functional.relu.0.forward"].skipped == "the replay raised RuntimeError: bad"
+
+
+def test_a_function_replaced_when_torchs_are_taken_is_not_replayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the plugin, torch's functions are taken on first use: one that something replaced by then (a
+    test's fault, a library's patch) would be what the replay runs, and the verdict would depend on what the
+    process did before. Such a call is skipped with the reason, whenever the replay runs."""
+    from pytest_msprobe.replay import pristine
+
+    dump = _dump(tmp_path / "dump")
+    monkeypatch.setattr(pristine, "_CAPTURED", {})  # (as in a process that has not taken them yet)
+    monkeypatch.setattr(pristine, "_REPLACED", {})
+    monkeypatch.setattr(torch.nn.functional, "relu", _noisy(torch.nn.functional.relu, 1e-3))
+    calls = {c.name: c for c in replay_dump(dump).calls}
+    relu = calls["Functional.relu.0.forward"]
+    assert "stood replaced by test_replay._noisy.<locals>.noisy" in relu.skipped, relu
+    assert not calls["Functional.conv2d.0.forward"].skipped
