@@ -596,7 +596,7 @@ class Injector:
         f, seed = self.fault, 1000 * step + 999
         with torch.no_grad():
             if f.effect == "parameter":
-                t = dict(self.model.named_parameters())[f.param]
+                t: torch.Tensor = dict(self.model.named_parameters())[f.param]
                 t.mul_(1 + NOISE * _noise(t.shape, t.dtype, seed))
             elif f.effect == "buffer":  # (a fresh running_mean is 0: the change is absolute there)
                 t = dict(self.model.named_buffers())[f.param]

@@ -1,18 +1,23 @@
 """Fault suite: does the compare detect injected faults, pass benign variants, and name the right call?
 
-    python bench/fault_suite.py --out suite.json            # everything: 192 runs, 652 compares, 13-17 min on 2 cores
+    python bench/fault_suite.py --out suite.json            # everything: 388 runs, 1316 compares
+    python bench/fault_suite.py --models cnn transformer    # the first two models: 240 runs, 812 compares
     python bench/fault_suite.py --quick --out quick.json    # 9 faults x from0/at1, 3 benign: about 6 min
+    python bench/fault_suite.py --new --activations at1     # lstm, vit and mlp: --models lstm vit mlp
     python bench/fault_suite.py --faults 'tr.*' --tasks tensor --activations at1
     python bench/fault_suite.py --quick --backend msprobe   # dumped by real msprobe (/tmp/msvenv: torch, mindstudio-probe)
     python bench/fault_suite.py --quick --plain             # our dumps without our own files (checklist.json, ...)
 
-Each fault of ``bench/fault_cases.py`` (forward, backward, optimizer, in-place and masked ops of a small CNN
-and a small transformer) is injected active from step 0 (``from0``), only at step 1 (``at1``) or only at
-step 2 (``at2``); each run is dumped with pytest-msprobe's own ``PrecisionDebugger`` (level L1) with task
-statistics and task tensor, three training steps, and compared with ``pytest_msprobe.compare`` against a
-clean run of the same model: every step folder alone and the whole run (the dump roots). Benign variants
-(another summation order, matmul/linear/conv in float64 cast back, q/k/v projected in another order, a
-rerun) are compared the same way and must pass.
+Each fault of ``bench/fault_cases.py`` (forward, backward, optimizer, in-place and masked ops of a small CNN,
+a small transformer, an LSTM language model with tied weights, a tiny ViT with gradient clipping and AdamW,
+an MLP under bfloat16 autocast with gradient accumulation; and source faults, which change a parameter, a
+buffer, the data or an unrecorded module's output) is injected active from step 0 (``from0``), only at step 1
+(``at1``) or only at step 2 (``at2``); each run is dumped with pytest-msprobe's own ``PrecisionDebugger``
+(level L1) with task statistics and task tensor, three training steps, and compared with
+``pytest_msprobe.compare`` against a clean run of the same model: every step folder alone and the whole run
+(the dump roots). Benign variants (another summation order, matmul/linear/conv in float64 cast back, q/k/v
+projected in another order, a rerun) are compared the same way and must pass. A source fault active at
+several steps (``from0``) changes its parameter, buffer, data or module output afresh in each of them.
 
 What each compare is held to:
 
@@ -21,6 +26,13 @@ What each compare is held to:
   relu, ``Functional.relu.3.backward`` for its gradient off, ``Tensor.add_.11.forward`` for the SGD update
   of one parameter off; the record names are logged by the fault as it fires (the dump's call counter), and
   checked against the tensor dumps: the first record of that step whose tensors differ from the baseline's;
+- a source fault (``Check.source``: parameter, data, buffer, unrecorded) makes no record: the record to name
+  is the step's first record whose tensors differ from the baseline's, in the tensor dumps (with task
+  statistics alone, a tensor dump of the run is made for it, not compared); a fault whose record the dump
+  does not have (msprobe 26 records no ``torch.cat``) is held to the same truth (source ``unrecorded``).
+  It is named right where the failure names it, or where the calls' first divergence does
+  (``call_named``) while the failure names the checklist's difference first (``kind_named``: the summary's
+  first divergence kind, ``api`` or ``parameter``, ``data``, ``buffer``, ...);
 - the whole run: it fails and names that record at the first active step;
 - a step before the fault is active (``before``), and every compare of a benign variant: the compare passes
   (otherwise a false alarm);
@@ -30,7 +42,8 @@ With task tensor the steps before and after are not compared unless ``--all-step
 replays every call: it is most of the suite's time); the steps before are checked bitwise equal instead.
 
 Prints a table (one line per run and dump task: its step compares and the whole run), the misses with the
-rule and reason the compare gave, and the totals, split by task and model; ``--out`` writes it all as JSON.
+rule and reason the compare gave, and the totals, split by task, model and source kind (``checklist first``:
+how many failures name a checklist difference before any call); ``--out`` writes it all as JSON.
 Dumps go to a temporary folder (``--work DIR`` keeps them). ``--backend msprobe`` dumps with msprobe's own
 PrecisionDebugger instead, one process per dump (``--msprobe-python``; about 10 s a dump on 2 cores: --quick
 takes about 9 min).
@@ -59,6 +72,7 @@ import fault_cases as fc  # noqa: E402
 import torch  # noqa: E402
 
 from pytest_msprobe import compare  # noqa: E402
+from pytest_msprobe.report.summary import first_divergence_dict  # noqa: E402
 
 TASKS = ("statistics", "tensor")
 QUICK_FAULTS = (
@@ -89,8 +103,15 @@ class Check:
     role: str  # active, before, after, benign
     expected: str  # "fail" or "pass" (after: what the dumps say)
     truth: str | None  # the record to name, "api@step"
+    # a source fault's kind (parameter, data, buffer, unrecorded), or "unrecorded" for a fault whose call the
+    # dump has no record of: the truth is then the step's first differing record in the tensor dumps
+    source: str | None = None
     passed: bool | None = None
-    named: str | None = None  # the first divergence, "api@step"
+    named: str | None = None  # the first divergence, "api@step" (or the checklist's "kind name@step")
+    kind_named: str | None = None  # the summary's first_divergence kind: "api" or the checklist's kind
+    call_named: str | None = (
+        None  # the calls' first divergence, "api@step" (also where the checklist's is named)
+    )
     rule: str | None = None
     row: str | None = None
     reason: str | None = None
@@ -119,6 +140,8 @@ class Run:
     dump_seconds: float
     validation: str = ""  # a mismatch between the fault's log and the dumps, if any
     differs: dict[int, str | None] = field(default_factory=dict)  # step -> first differing record (tensor)
+    truth: dict[int, str] = field(default_factory=dict)  # active step -> the record to name, "api@step"
+    unrecorded: list[str] = field(default_factory=list)  # records the fault logs, the dump lacks: "api@step"
 
 
 def _leaves(value: Any) -> Iterator[dict[str, Any]]:
@@ -142,7 +165,14 @@ def _dump_json(step: Path) -> Path:
 
 
 # what pytest-msprobe writes beside msprobe's files: ``--plain`` removes them, as a plain msprobe dump has none
-SIDECARS = ("checklist.json", "self_check.json", "optimizer.json", "replay.json", "trend.json", "trend_rank*.json")
+SIDECARS = (
+    "checklist.json",
+    "self_check.json",
+    "optimizer.json",
+    "replay.json",
+    "trend.json",
+    "trend_rank*.json",
+)
 
 
 def strip_sidecars(path: Path) -> int:
@@ -223,6 +253,9 @@ def _compare(check: Check, target: Path, baseline: Path, jobs: int) -> None:
     check.seconds = time.perf_counter() - start
     check.passed = result.passed
     fd = result.first_divergence
+    summary_first = first_divergence_dict(result)
+    check.kind_named = summary_first["kind"] if summary_first is not None else None
+    check.call_named = f"{fd.api}@{fd.step}" if fd is not None else None
     first = result.checklist_first  # what the test's failure names first (none of the suite's faults is one)
     if first is not None:
         check.named = f"{first.kind} {first.name}@{first.step}"
@@ -231,7 +264,10 @@ def _compare(check: Check, target: Path, baseline: Path, jobs: int) -> None:
         check.named = f"{fd.api}@{fd.step}"
         check.rule, check.row, check.reason = fd.rule, fd.row, fd.reason
     if check.role == "active" or (check.scope == "run" and check.role != "benign"):
-        check.right = (not result.passed) and check.named == check.truth
+        # a source fault's truth is a call: right where the calls' first divergence names it, whether or not
+        # the checklist names the parameter, buffer or data first
+        named = check.named == check.truth or (check.source is not None and check.call_named == check.truth)
+        check.right = (not result.passed) and named
         if not check.right and check.truth:
             check.truth_call = _seen(result, check.truth)
 
@@ -256,9 +292,8 @@ def _seen(result: Any, truth: str) -> str:
 
 def _checks_of(fault: fc.Fault, activation: str, task: str, run: Run) -> list[Check]:
     active = fc.ACTIVATIONS[activation] if not fault.benign else ()
-    truth = {}
-    for step, name in run.fired:
-        truth.setdefault(step, f"{name}@{step}")
+    truth = run.truth
+    source = fault.effect if fault.source else ("unrecorded" if run.unrecorded else None)
     checks = []
     for step in fc.STEPS:
         if fault.benign:
@@ -273,7 +308,7 @@ def _checks_of(fault: fc.Fault, activation: str, task: str, run: Run) -> list[Ch
         checks.append(
             Check(
                 fault.model, task, fault.name, fault.kind, activation if not fault.benign else "-",
-                f"step{step}", role, expected, truth.get(step),
+                f"step{step}", role, expected, truth.get(step), source if role == "active" else None,
             )
         )  # fmt: skip
     first = min(active) if active else None
@@ -281,7 +316,7 @@ def _checks_of(fault: fc.Fault, activation: str, task: str, run: Run) -> list[Ch
         Check(
             fault.model, task, fault.name, fault.kind, activation if not fault.benign else "-", "run",
             "benign" if fault.benign else "run", "pass" if fault.benign else "fail",
-            truth.get(first) if first is not None else None,
+            truth.get(first) if first is not None else None, source,
         )
     )  # fmt: skip
     return checks
@@ -292,8 +327,8 @@ def run_suite(args: argparse.Namespace, work: Path) -> tuple[list[Check], list[R
     benign = [f for f in fc.BENIGN if f.model in args.models and _selected(f.name, args, benign=True)]
     checks: list[Check] = []
     runs: list[Run] = []
-    for model in args.models:
-        clean = next(f for f in fc.BENIGN if f.model == model and f.effect == "rerun")
+    for model in [m for m in args.models if any(f.model == m for f in faults + benign)]:
+        clean = _clean(model)
         for task in args.tasks:
             dump(clean, (), task, work / model / task / "baseline", args)
     for fault in faults + benign:
@@ -309,12 +344,20 @@ def run_suite(args: argparse.Namespace, work: Path) -> tuple[list[Check], list[R
                 run = Run(fault.name, task, activation, fired, time.perf_counter() - start)
                 baseline = work / fault.model / task / "baseline"
                 if task == "tensor" and not fault.benign:
-                    run.validation = _validate(run, active, path, baseline)
+                    _validate(run, fault, active, path, baseline)
                     tensor_run = run
-                elif tensor_run is not None:
-                    run.differs, run.validation = tensor_run.differs, tensor_run.validation
-                    if fired != tensor_run.fired:
-                        run.validation += f"; fired {fired} vs the tensor run's {tensor_run.fired}"
+                elif not fault.benign:
+                    if tensor_run is None and (fault.source or _unrecorded(fired, path)):
+                        # the truth is a tensor dump's first differing record: dump one for it
+                        tensor_run = _truth_run(fault, active, activation, work, args)
+                        args.truth_seconds += tensor_run.dump_seconds
+                    if tensor_run is not None:
+                        run.differs, run.validation = tensor_run.differs, tensor_run.validation
+                        run.unrecorded = tensor_run.unrecorded
+                        if fired != tensor_run.fired:
+                            run.validation += f"; fired {fired} vs the tensor run's {tensor_run.fired}"
+                if not fault.benign:
+                    run.truth = _truth(run, fault, active)
                 runs.append(run)
                 mine = _checks_of(fault, activation, task, run)
                 if task == "tensor" and not args.all_steps:
@@ -332,26 +375,85 @@ def run_suite(args: argparse.Namespace, work: Path) -> tuple[list[Check], list[R
     return checks, runs
 
 
-def _validate(run: Run, active: tuple[int, ...], dump: Path, baseline: Path) -> str:
-    """Check the fault's log against the tensor dumps: at its first active step, the first differing record
-    is the one it says it made; note for the later inactive steps whether they differ at all."""
+def _clean(model: str) -> fc.Fault:
+    return next(f for f in fc.BENIGN if f.model == model and f.effect == "rerun")
+
+
+def _truth_run(
+    fault: fc.Fault, active: tuple[int, ...], activation: str, work: Path, args: argparse.Namespace
+) -> Run:
+    """A tensor dump of the run (and of the model's clean run, once), not compared: its first differing
+    records are the truth of a source fault (or of a call the dump does not record) for the other tasks."""
+    baseline = work / fault.model / "tensor" / "baseline"
+    if not baseline.exists():
+        dump(_clean(fault.model), (), "tensor", baseline, args)
+    path = work / fault.model / "truth" / fault.name / activation
+    start = time.perf_counter()
+    fired = dump(fault, active, "tensor", path, args)
+    run = Run(fault.name, "tensor", activation, fired, time.perf_counter() - start)
+    _validate(run, fault, active, path, baseline)
+    if not args.keep:
+        shutil.rmtree(path, ignore_errors=True)
+    return run
+
+
+def _records(step: Path) -> set[str]:
+    return set(json.loads(_dump_json(step).read_text())["data"])
+
+
+def _unrecorded(fired: list[tuple[int, str]], dump: Path) -> list[str]:
+    """The records a (non-source) fault logs that its dump does not have: a call the dumper does not record."""
+    missing: list[str] = []
+    seen: dict[int, set[str]] = {}
+    for step, name in fired:
+        if name not in seen.setdefault(step, _records(dump / f"step{step}")):
+            missing.append(f"{name}@{step}")
+    return missing
+
+
+def _truth(run: Run, fault: fc.Fault, active: tuple[int, ...]) -> dict[int, str]:
+    """Per active step, the record the compare must name: the one the fault logs it made, or for a source
+    fault (and a fault whose record the dump lacks) the step's first record that differs from the baseline's
+    in the tensor dumps."""
+    if fault.source or run.unrecorded:
+        return {s: f"{run.differs[s]}@{s}" for s in active if run.differs.get(s) is not None}
+    truth: dict[int, str] = {}
+    for step, name in run.fired:
+        truth.setdefault(step, f"{name}@{step}")
+    return truth
+
+
+def _validate(run: Run, fault: fc.Fault, active: tuple[int, ...], dump: Path, baseline: Path) -> None:
+    """Check the fault's log against the tensor dumps (``run.validation``: the mismatches, if any): it fired in
+    its active steps; the steps before are bitwise the baseline's; at its first active step the first
+    differing record is the one it says it made. A source fault (and a fault whose record the dump lacks,
+    ``run.unrecorded``) makes no record: each active step must differ from the baseline's somewhere, and the
+    first differing record of each (``run.differs``) is its truth. Notes for the later inactive steps whether
+    they differ at all."""
     problems = []
     first = min(active)
     fired_at = {s for s, _ in run.fired}
     if fired_at != set(active):
         problems.append(f"fired at steps {sorted(fired_at)}, active {list(active)}")
+    if not fault.source:
+        run.unrecorded = _unrecorded(run.fired, dump)
+    sourced = fault.source or bool(run.unrecorded)
     for step in fc.STEPS:
-        if step not in active or step == first:
+        if step not in active or step == first or sourced:
             run.differs[step] = first_difference(dump / f"step{step}", baseline / f"step{step}")
     changed = [s for s in fc.STEPS if s < first and run.differs[s] is not None]
     if changed:
         problems.append(f"steps before the fault differ: {changed}")
     made = next((name for s, name in run.fired if s == first), None)
-    if run.differs.get(first) != made:
+    if sourced:
+        unchanged = [s for s in active if run.differs.get(s) is None]
+        if unchanged:
+            problems.append(f"{made} changed no record at steps {unchanged}")
+    elif run.differs.get(first) != made:
         problems.append(
             f"step {first}: the fault logs {made}, the first differing record is {run.differs.get(first)}"
         )
-    return "; ".join(problems)
+    run.validation = "; ".join(problems)
 
 
 def _check_names() -> None:
@@ -388,8 +490,10 @@ def _line(checks: list[Check], run: Run) -> str:
     head = f"{run.case:<26} {run.task:<10} {run.activation:<5}"
     cells = "  ".join(f"{c.scope}: {_cell(c)}" for c in checks)
     truth = next((c.truth for c in checks if c.scope == "run" and c.truth), "")
+    source = next((c.source for c in checks if c.source), None)
+    kind = f" [{source}]" if source else ""
     note = f"  !! {run.validation}" if run.validation else ""
-    return f"{head} {cells}   truth {truth}{note}"
+    return f"{head} {cells}   truth {truth}{kind}{note}"
 
 
 def _ratio(good: int, total: int) -> str:
@@ -404,6 +508,11 @@ def totals(checks: list[Check]) -> dict[str, dict[str, str]]:
         groups[f"model {model}"] = [c for c in checks if c.model == model]
         for task in TASKS:
             groups[f"{model} {task}"] = [c for c in checks if c.model == model and c.task == task]
+    sources = sorted({c.source for c in checks if c.source})
+    if sources:
+        groups["source faults"] = [c for c in checks if c.source]
+        for source in sources:
+            groups[f"source {source}"] = [c for c in checks if c.source == source]
     out: dict[str, dict[str, str]] = {}
     for name, cs in groups.items():
         if not cs:
@@ -421,6 +530,8 @@ def totals(checks: list[Check]) -> dict[str, dict[str, str]]:
             "after steps detected": _ratio(sum(c.passed is False for c in after), len(after)),
             # the right call, explained as rounding (its own error in line): a right name with a wrong reason
             "right as 'rounding'": str(sum(bool(c.right) and c.rule == "rounding" for c in active + runs)),
+            # the failure names a checklist difference (data, parameter, buffer, ...) first, not a call
+            "checklist first": str(sum(c.kind_named not in (None, "api") for c in active + runs)),
         }
     return out
 
@@ -435,7 +546,10 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a subset of the faults, benign variants and activations"
     )
-    parser.add_argument("--models", nargs="+", default=["cnn", "transformer"], choices=["cnn", "transformer"])
+    parser.add_argument("--models", nargs="+", default=list(fc.MODELS), choices=list(fc.MODELS))
+    parser.add_argument(
+        "--new", action="store_true", help="the models lstm, vit and mlp (--models lstm vit mlp)"
+    )
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     parser.add_argument(
         "--faults", nargs="+", help="fnmatch patterns of fault / benign names (see fault_cases.py)"
@@ -472,11 +586,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.list:
         for f in fc.FAULTS + fc.BENIGN:
-            print(f"{f.name:<28} {f.model:<12} {f.kind:<10} {f.effect:<15} {f.api if f.owner else ''}")
+            print(f"{f.name:<28} {f.model:<12} {f.kind:<10} {f.effect:<15} {f.api if f.owner else f.param}")
         return
     _check_names()
     args.activations = args.activations or (list(QUICK_ACTIVATIONS) if args.quick else list(fc.ACTIVATIONS))
     args.keep = args.work is not None
+    args.truth_seconds = 0.0
+    if args.new:
+        args.models = ["lstm", "vit", "mlp"]
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fault_suite_") as tmp:
@@ -488,8 +605,10 @@ def main() -> None:
     misses = [c for c in checks if not c.ok and c.role != "after"]
     print(f"\nmisses ({len(misses)}):")
     for c in misses:
-        print(f"- {c.case} {c.task} {c.activation} {c.scope}: expected {c.truth or 'a pass'}, got "
-              f"{_cell(c)}; {c.error or c.reason}" + (f"\n    the call to name: {c.truth_call}" if c.truth_call else ""))  # fmt: skip
+        source = f" [{c.source}]" if c.source else ""
+        calls = f" (calls: {c.call_named})" if c.kind_named not in (None, "api") else ""
+        print(f"- {c.case} {c.task} {c.activation} {c.scope}: expected {c.truth or 'a pass'}{source}, got "
+              f"{_cell(c)}{calls}; {c.error or c.reason}" + (f"\n    the call to name: {c.truth_call}" if c.truth_call else ""))  # fmt: skip
     table = totals(checks)
     cols = list(next(iter(table.values())))
     print(f"\n{'':<22}" + "".join(f"{c:>{_width(c)}}" for c in cols))
@@ -497,15 +616,21 @@ def main() -> None:
         print(f"{name:<22}" + "".join(f"{row[c]:>{_width(c)}}" for c in cols))
     dump_s = sum(r.dump_seconds for r in runs)
     compare_s = sum(c.seconds for c in checks)
+    truth_s = f" (and tensor dumps for the truth in {args.truth_seconds:.0f} s)" if args.truth_seconds else ""
     print(
-        f"\n{len(runs)} runs dumped in {dump_s:.0f} s, {len(checks)} compares in {compare_s:.0f} s, total {elapsed:.0f} s"
+        f"\n{len(runs)} runs dumped in {dump_s:.0f} s{truth_s}, {len(checks)} compares in {compare_s:.0f} s, total {elapsed:.0f} s"
     )
     if args.out:
         doc = {
             "backend": args.backend,
             "plain": args.plain,
             "totals": table,
-            "seconds": {"total": elapsed, "dumps": dump_s, "compares": compare_s},
+            "seconds": {
+                "total": elapsed,
+                "dumps": dump_s,
+                "truth dumps": args.truth_seconds,
+                "compares": compare_s,
+            },
             "runs": [asdict(r) for r in runs],
             "checks": [asdict(c) for c in checks],
         }
