@@ -35,7 +35,8 @@ before the hook changes it). Active ``from0`` (or at any set of steps) means: th
 start (or in the forward) of each active step, with noise seeded by the step, on top of whatever the
 earlier steps left (a parameter perturbed at steps 0, 1 and 2 has three perturbations by step 2). It logs
 ``"{effect} {name}"``, no record name: its ground truth is the step's first record whose tensors differ from
-the clean run's, which the suite takes from a tensor dump.
+the clean run's (at a later active step: from the run active only at the steps before), which the suite
+takes from tensor dumps.
 
 Code run inside a backward or module hook runs while the recorder records: it calls the torch functions
 captured below, at import, which no debugger wraps.

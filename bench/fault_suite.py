@@ -27,8 +27,10 @@ What each compare is held to:
   of one parameter off; the record names are logged by the fault as it fires (the dump's call counter), and
   checked against the tensor dumps: the first record of that step whose tensors differ from the baseline's;
 - a source fault (``Check.source``: parameter, data, buffer, unrecorded) makes no record: the record to name
-  is the step's first record whose tensors differ from the baseline's, in the tensor dumps (with task
-  statistics alone, a tensor dump of the run is made for it, not compared); a fault whose record the dump
+  is the step's first record whose tensors differ from the baseline's, in the tensor dumps; at a later
+  active step (``from0``), the first that differs from a run with the fault active only at the steps before
+  (the step's own change, not the drift of the weights since the first); with task statistics alone, a
+  tensor dump of the run is made for it, and these runs, none of them compared; a fault whose record the dump
   does not have (msprobe 26 records no ``torch.cat``) is held to the same truth (source ``unrecorded``).
   It is named right where the failure names it, or where the calls' first divergence does
   (``call_named``) while the failure names the checklist's difference first (``kind_named``: the summary's
@@ -59,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +143,9 @@ class Run:
     validation: str = ""  # a mismatch between the fault's log and the dumps, if any
     differs: dict[int, str | None] = field(default_factory=dict)  # step -> first differing record (tensor)
     truth: dict[int, str] = field(default_factory=dict)  # active step -> the record to name, "api@step"
+    # a source fault's (and an unrecorded call's), per active step: the first record its change there shows in,
+    # against the baseline at the first active step, at a later one against the run active only before it
+    entered: dict[int, str | None] = field(default_factory=dict)
     unrecorded: list[str] = field(default_factory=list)  # records the fault logs, the dump lacks: "api@step"
 
 
@@ -344,16 +349,15 @@ def run_suite(args: argparse.Namespace, work: Path) -> tuple[list[Check], list[R
                 run = Run(fault.name, task, activation, fired, time.perf_counter() - start)
                 baseline = work / fault.model / task / "baseline"
                 if task == "tensor" and not fault.benign:
-                    _validate(run, fault, active, path, baseline)
+                    _validate(run, fault, active, path, baseline, _reference(fault, activation, work, args))
                     tensor_run = run
                 elif not fault.benign:
                     if tensor_run is None and (fault.source or _unrecorded(fired, path)):
                         # the truth is a tensor dump's first differing record: dump one for it
                         tensor_run = _truth_run(fault, active, activation, work, args)
-                        args.truth_seconds += tensor_run.dump_seconds
                     if tensor_run is not None:
                         run.differs, run.validation = tensor_run.differs, tensor_run.validation
-                        run.unrecorded = tensor_run.unrecorded
+                        run.unrecorded, run.entered = tensor_run.unrecorded, tensor_run.entered
                         if fired != tensor_run.fired:
                             run.validation += f"; fired {fired} vs the tensor run's {tensor_run.fired}"
                 if not fault.benign:
@@ -372,6 +376,8 @@ def run_suite(args: argparse.Namespace, work: Path) -> tuple[list[Check], list[R
                 print(_line(mine, run), flush=True)
                 if not args.keep:
                     shutil.rmtree(path, ignore_errors=True)
+            if not args.keep:
+                shutil.rmtree(work / fault.model / "reference" / fault.name, ignore_errors=True)
     return checks, runs
 
 
@@ -391,10 +397,29 @@ def _truth_run(
     start = time.perf_counter()
     fired = dump(fault, active, "tensor", path, args)
     run = Run(fault.name, "tensor", activation, fired, time.perf_counter() - start)
-    _validate(run, fault, active, path, baseline)
+    args.truth_seconds += run.dump_seconds
+    _validate(run, fault, active, path, baseline, _reference(fault, activation, work, args))
     if not args.keep:
         shutil.rmtree(path, ignore_errors=True)
     return run
+
+
+def _reference(
+    fault: fc.Fault, activation: str, work: Path, args: argparse.Namespace
+) -> Callable[[tuple[int, ...]], Path]:
+    """A tensor dump of the run with the fault active at some of its steps only (made once, not compared): a
+    later active step of a source fault is checked against the run active at the steps before it, where the
+    step's own change shows first."""
+
+    def made(steps: tuple[int, ...]) -> Path:
+        path = work / fault.model / "reference" / fault.name / f"{activation}.{'-'.join(map(str, steps))}"
+        if not path.exists():
+            start = time.perf_counter()
+            dump(fault, steps, "tensor", path, args)
+            args.truth_seconds += time.perf_counter() - start
+        return path
+
+    return made
 
 
 def _records(step: Path) -> set[str]:
@@ -413,23 +438,34 @@ def _unrecorded(fired: list[tuple[int, str]], dump: Path) -> list[str]:
 
 def _truth(run: Run, fault: fc.Fault, active: tuple[int, ...]) -> dict[int, str]:
     """Per active step, the record the compare must name: the one the fault logs it made, or for a source
-    fault (and a fault whose record the dump lacks) the step's first record that differs from the baseline's
-    in the tensor dumps."""
+    fault (and a fault whose record the dump lacks) the first record its change at the step shows in
+    (``run.entered``, see :func:`_validate`)."""
     if fault.source or run.unrecorded:
-        return {s: f"{run.differs[s]}@{s}" for s in active if run.differs.get(s) is not None}
+        return {s: f"{run.entered[s]}@{s}" for s in active if run.entered.get(s) is not None}
     truth: dict[int, str] = {}
     for step, name in run.fired:
         truth.setdefault(step, f"{name}@{step}")
     return truth
 
 
-def _validate(run: Run, fault: fc.Fault, active: tuple[int, ...], dump: Path, baseline: Path) -> None:
+def _validate(
+    run: Run,
+    fault: fc.Fault,
+    active: tuple[int, ...],
+    dump: Path,
+    baseline: Path,
+    reference: Callable[[tuple[int, ...]], Path],
+) -> None:
     """Check the fault's log against the tensor dumps (``run.validation``: the mismatches, if any): it fired in
     its active steps; the steps before are bitwise the baseline's; at its first active step the first
-    differing record is the one it says it made. A source fault (and a fault whose record the dump lacks,
-    ``run.unrecorded``) makes no record: each active step must differ from the baseline's somewhere, and the
-    first differing record of each (``run.differs``) is its truth. Notes for the later inactive steps whether
-    they differ at all."""
+    differing record is the one it says it made. Notes for the later inactive steps whether they differ at
+    all (``run.differs``).
+
+    A source fault (and a fault whose record the dump lacks, ``run.unrecorded``) makes no record: its change
+    must show in some record at every active step, and the first such record is its truth (``run.entered``):
+    at the first active step the first record that differs from the baseline's; at a later one (``from0``)
+    the first that differs from a run with the fault active only at the steps before it (the weights have
+    drifted since the first: every record of the step differs from the baseline's)."""
     problems = []
     first = min(active)
     fired_at = {s for s, _ in run.fired}
@@ -439,14 +475,20 @@ def _validate(run: Run, fault: fc.Fault, active: tuple[int, ...], dump: Path, ba
         run.unrecorded = _unrecorded(run.fired, dump)
     sourced = fault.source or bool(run.unrecorded)
     for step in fc.STEPS:
-        if step not in active or step == first or sourced:
+        if step not in active or step == first:
             run.differs[step] = first_difference(dump / f"step{step}", baseline / f"step{step}")
     changed = [s for s in fc.STEPS if s < first and run.differs[s] is not None]
     if changed:
         problems.append(f"steps before the fault differ: {changed}")
     made = next((name for s, name in run.fired if s == first), None)
     if sourced:
-        unchanged = [s for s in active if run.differs.get(s) is None]
+        for step in active:
+            if step == first:
+                run.entered[step] = run.differs[step]
+            else:
+                before = reference(tuple(s for s in active if s < step))
+                run.entered[step] = first_difference(dump / f"step{step}", before / f"step{step}")
+        unchanged = [s for s in active if run.entered[s] is None]
         if unchanged:
             problems.append(f"{made} changed no record at steps {unchanged}")
     elif run.differs.get(first) != made:
