@@ -45,7 +45,8 @@ replays every call: it is most of the suite's time); the steps before are checke
 
 Prints a table (one line per run and dump task: its step compares and the whole run), the misses with the
 rule and reason the compare gave, and the totals, split by task, model and source kind (``checklist first``:
-how many failures name a checklist difference before any call); ``--out`` writes it all as JSON.
+how many failures name a checklist difference before any call; ``source named``: of those, a source fault's
+own parameter, buffer or data, not scored); ``--out`` writes it all as JSON.
 Dumps go to a temporary folder (``--work DIR`` keeps them). ``--backend msprobe`` dumps with msprobe's own
 PrecisionDebugger instead, one process per dump (``--msprobe-python``; about 10 s a dump on 2 cores: --quick
 takes about 9 min).
@@ -108,6 +109,7 @@ class Check:
     # a source fault's kind (parameter, data, buffer, unrecorded), or "unrecorded" for a fault whose call the
     # dump has no record of: the truth is then the step's first differing record in the tensor dumps
     source: str | None = None
+    source_name: str | None = None  # the parameter or buffer a source fault changes ("inputs": the data)
     passed: bool | None = None
     named: str | None = None  # the first divergence, "api@step" (or the checklist's "kind name@step")
     kind_named: str | None = None  # the summary's first_divergence kind: "api" or the checklist's kind
@@ -118,6 +120,7 @@ class Check:
     row: str | None = None
     reason: str | None = None
     right: bool | None = None  # scored roles only
+    source_named: bool | None = None  # the failure names the changed parameter, buffer or data
     truth_call: str | None = None  # how the compare saw the call to name: status, errors in/out, own error
     seconds: float = 0.0
     error: str | None = None
@@ -268,6 +271,9 @@ def _compare(check: Check, target: Path, baseline: Path, jobs: int) -> None:
     elif fd is not None:
         check.named = f"{fd.api}@{fd.step}"
         check.rule, check.row, check.reason = fd.rule, fd.row, fd.reason
+    if check.source in ("parameter", "buffer", "data") and not result.passed:
+        kind, name = (first.kind, first.name) if first is not None else (None, None)
+        check.source_named = kind == check.source and (kind == "data" or name == check.source_name)
     if check.role == "active" or (check.scope == "run" and check.role != "benign"):
         # a source fault's truth is a call: right where the calls' first divergence names it, whether or not
         # the checklist names the parameter, buffer or data first
@@ -324,6 +330,9 @@ def _checks_of(fault: fc.Fault, activation: str, task: str, run: Run) -> list[Ch
             truth.get(first) if first is not None else None, source,
         )
     )  # fmt: skip
+    for check in checks:
+        if check.source and fault.source:
+            check.source_name = fault.param
     return checks
 
 
@@ -574,6 +583,8 @@ def totals(checks: list[Check]) -> dict[str, dict[str, str]]:
             "right as 'rounding'": str(sum(bool(c.right) and c.rule == "rounding" for c in active + runs)),
             # the failure names a checklist difference (data, parameter, buffer, ...) first, not a call
             "checklist first": str(sum(c.kind_named not in (None, "api") for c in active + runs)),
+            # of those, a source fault's own parameter, buffer or data (not scored: the truth is a call)
+            "source named": str(sum(bool(c.source_named) for c in active + runs)),
         }
     return out
 
