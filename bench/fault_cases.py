@@ -503,20 +503,33 @@ def _split_sum(api: str, args: tuple[Any, ...], kwargs: dict[str, Any], orig: Ca
 
 
 _TOOL = str(Path(__file__).resolve().parents[1] / "pytest_msprobe") + os.sep
-_WRAPPERS = tuple(_TOOL + f for f in ("dump/intercept.py", "dump/api_calls.py"))
+_MSPROBE = f"{os.sep}msprobe{os.sep}"
+# the files of the frames between a model's call and the function it calls, when a dumper's API wrapper records
+# it (msprobe's parameter_adapter, in its pytorch/common/utils.py, wraps the Tensor methods)
+_MSPROBE_WRAPPERS = (
+    "pytorch/dump/api_dump/api_register.py",
+    "pytorch/dump/api_dump/hook_module.py",
+    "pytorch/common/utils.py",
+    "core/dump/api_dump/api_registry.py",
+)
+_WRAPPERS = (
+    *(os.path.join(_TOOL, "dump", f) for f in ("intercept.py", "api_calls.py")),
+    *(os.path.join("msprobe", *f.split("/")) for f in _MSPROBE_WRAPPERS),
+)
 
 
 def _tool_call() -> bool:
-    """Whether a patched function was called by the dumper itself, not by the training: the nearest caller
-    outside the dumpers' API wrappers is pytest-msprobe's code (its checklist's fingerprints call
-    ``torch.cat``). Such a call is neither recorded nor counted by the dump, nor by the fault."""
+    """Whether a patched function was called by a dumper itself, not by the training: the nearest caller
+    outside the dumpers' API wrappers is pytest-msprobe's or msprobe's code (pytest-msprobe's checklist
+    fingerprints call ``torch.cat``). Such a call is neither recorded nor counted by the dump, nor by the
+    fault."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(_WRAPPERS) or f"{os.sep}msprobe{os.sep}" in name:
+        if name.endswith(_WRAPPERS):
             frame = frame.f_back
             continue
-        return name.startswith(_TOOL)
+        return name.startswith(_TOOL) or _MSPROBE in name
     return False
 
 
