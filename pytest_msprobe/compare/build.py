@@ -18,6 +18,7 @@ from pytest_msprobe.compare.align import Alignment
 from pytest_msprobe.compare.judge import (
     Check,
     amend,
+    carried_dtype,
     check_kinds,
     check_md5,
     check_statistics,
@@ -272,8 +273,10 @@ class Builder:
         if kinds is not None:
             draft.check = kinds
             return
-        # the baseline's dtype sets the tolerance: the target must reproduce the baseline to its precision
-        tol, draft.skip = self.thresholds.tolerance(bl.dtype, t_api, draft.row, statistics=True)
+        # the baseline's dtype sets the tolerance: the target must reproduce the baseline to its precision (a
+        # float32 tensor whose values a half type made, to that type's)
+        dtype = carried_dtype(tl, bl) or bl.dtype
+        tol, draft.skip = self.thresholds.tolerance(dtype, t_api, draft.row, statistics=True)
         if mode == "md5":
             draft.check = finish(check_md5(tl, bl, tol), draft.skip, t_api)
         elif mode == "tensor" and tl.data_name and bl.data_name and tl.shape == bl.shape:
@@ -334,7 +337,8 @@ class Builder:
         for i, outcome in zip(self.tasks, results):
             draft = self.drafts[i]
             assert draft.target is not None and draft.baseline is not None
-            tol, _ = self.thresholds.tolerance(draft.baseline.dtype, draft.api, draft.row)
+            dtype = carried_dtype(draft.target, draft.baseline) or draft.baseline.dtype
+            tol, _ = self.thresholds.tolerance(dtype, draft.api, draft.row)
             check = check_tensors(draft.target, draft.baseline, outcome, tol, self.thresholds.msprobe_rule)
             draft.check = finish(check, draft.skip, draft.api)
             draft.task = None

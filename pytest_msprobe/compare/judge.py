@@ -113,6 +113,38 @@ def _floating(dtype: str | None) -> bool:
     return dtype is not None and "float" in dtype
 
 
+# a float32 value made in float32 keeps 24 significant bits (16 or fewer by chance once in 256); a half type's
+# value keeps 8 (bfloat16) or 11 (float16), and a sum of a few of them (gradients accumulated over micro-batches)
+# a few more
+_CARRIED_BITS = 16
+
+
+def _significant_bits(value: float) -> int:
+    mantissa, _ = math.frexp(value)
+    bits = 0
+    while not mantissa.is_integer() and bits < 60:
+        mantissa *= 2
+        bits += 1
+    return bits
+
+
+def carried_dtype(target: Leaf, baseline: Leaf) -> str | None:
+    """``bfloat16`` for a float32 tensor whose values a half type made: both sides' Max and Min keep at most
+    :data:`_CARRIED_BITS` significant bits (None otherwise). A float32 gradient summed from bfloat16 gradients
+    under autocast carries bfloat16's precision, and holding it to float32's tolerance fails a rerun that rounds
+    otherwise; the chance that a float32 tensor made in float32 has four such extremes is about 2e-10. Zeros and
+    powers of two, short in every format, tell nothing: at least two of the four values must say it."""
+    if normalize_dtype(baseline.dtype) != "float32" or normalize_dtype(target.dtype) != "float32":
+        return None
+    values = [target.max, target.min, baseline.max, baseline.min]
+    if any(v is None or not math.isfinite(v) for v in values):
+        return None
+    bits = [_significant_bits(v) for v in values]  # type: ignore[arg-type]
+    if max(bits) > _CARRIED_BITS or sum(b > 1 for b in bits) < 2:
+        return None
+    return "bfloat16"
+
+
 def _tensor_notes(check: Check, target: Leaf, baseline: Leaf) -> Check:
     t_dtype, b_dtype = normalize_dtype(target.dtype), normalize_dtype(baseline.dtype)
     if t_dtype != b_dtype and _floating(t_dtype) and _floating(b_dtype):
