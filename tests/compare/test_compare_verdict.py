@@ -321,3 +321,18 @@ def test_a_call_with_an_extra_output_on_one_side_is_a_warning(tmp_path: Path) ->
     assert [r.status for r in result.rows] == [PASS, PASS, UNMATCHED]
     assert api.status == WARNING and api.reason.endswith("output.1: only in the target: not compared")
     assert result.passed
+
+
+def test_a_float32_tensor_made_by_a_half_type_is_held_to_its_tolerance() -> None:
+    """A float32 gradient summed from bfloat16 ones keeps few significant bits at its extremes: a rerun that
+    rounds its bfloat16 gradients otherwise moves its Min by a bfloat16 step, which float32's tolerance fails."""
+    from pytest_msprobe.compare.judge import carried_dtype
+
+    t = leaf(tensor([32, 16], 0.018646240234375, -0.02117919921875, 3.0324e-4, 0.1014088))
+    b = leaf(tensor([32, 16], 0.018646240234375, -0.021240234375, 3.0353e-4, 0.1014474))
+    assert carried_dtype(t, b) == "bfloat16"
+    made = leaf(tensor([32, 16], 0.018646241, -0.021179199, 3.0324e-4, 0.1014088))  # float32's own values
+    assert carried_dtype(made, b) is None
+    zeros = leaf(tensor([8], 0.0, 0.0, 0.0, 0.0))
+    ones = leaf(tensor([8], 1.0, 0.5, 0.75, 2.0))
+    assert carried_dtype(zeros, zeros) is None and carried_dtype(ones, zeros) is None  # nothing to tell it by
