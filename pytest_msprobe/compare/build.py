@@ -274,9 +274,11 @@ class Builder:
             draft.check = kinds
             return
         # the baseline's dtype sets the tolerance: the target must reproduce the baseline to its precision (a
-        # float32 tensor whose values a half type made, to that type's)
-        dtype = carried_dtype(tl, bl) or bl.dtype
-        tol, draft.skip = self.thresholds.tolerance(dtype, t_api, draft.row, statistics=True)
+        # float32 tensor whose values a half type made, to the looser of the two)
+        tol, draft.skip = self.thresholds.tolerance(bl.dtype, t_api, draft.row, statistics=True)
+        carried = carried_dtype(tl, bl)
+        if carried is not None:
+            tol = tol.looser(self.thresholds.tolerance(carried, t_api, draft.row, statistics=True)[0])
         if mode == "md5":
             draft.check = finish(check_md5(tl, bl, tol), draft.skip, t_api)
         elif mode == "tensor" and tl.data_name and bl.data_name and tl.shape == bl.shape:
@@ -337,8 +339,10 @@ class Builder:
         for i, outcome in zip(self.tasks, results):
             draft = self.drafts[i]
             assert draft.target is not None and draft.baseline is not None
-            dtype = carried_dtype(draft.target, draft.baseline) or draft.baseline.dtype
-            tol, _ = self.thresholds.tolerance(dtype, draft.api, draft.row)
+            tol, _ = self.thresholds.tolerance(draft.baseline.dtype, draft.api, draft.row)
+            carried = carried_dtype(draft.target, draft.baseline)
+            if carried is not None:
+                tol = tol.looser(self.thresholds.tolerance(carried, draft.api, draft.row)[0])
             check = check_tensors(draft.target, draft.baseline, outcome, tol, self.thresholds.msprobe_rule)
             draft.check = finish(check, draft.skip, draft.api)
             draft.task = None
