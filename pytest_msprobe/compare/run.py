@@ -27,6 +27,7 @@ from pytest_msprobe.compare.explain import (
     below_measure,
     explain_in_place,
     explain_noise_carry,
+    explain_noise_siblings,
     explain_noise_updates,
     explain_structural,
 )
@@ -357,6 +358,7 @@ def _compare_pair(task: PairTask) -> Builder | Unusable:
     place_modules(builder, t_dump, b_dump)
     explain_in_place(builder)
     explain_structural(builder)
+    explain_noise_siblings(builder)
     explain_noise_updates(builder)
     return builder
 
