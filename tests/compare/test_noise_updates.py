@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from compare_helpers import tensor
+from compare_helpers import tensor, write_dump
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.result import ERROR, PASS, WARNING
@@ -180,3 +180,32 @@ def test_running_out_of_memory_in_the_noise_check_raises(
     monkeypatch.setattr(explain, "_values", exhausted)
     with pytest.raises(MemoryError):
         compare(target, baseline, jobs=1)
+
+
+def _norms(folder: Path, key_bias: tuple[float, float], other: float = 0.5) -> Path:
+    """Gradient clipping's per-parameter norms: four gradients near ``other`` and a key bias's of ``key_bias``
+    (its Max and Min), a gradient that is zero in exact arithmetic."""
+    data = {}
+    for i in range(5):
+        hi, lo = key_bias if i == 2 else (other, -other)
+        size = max(abs(hi), abs(lo))
+        data[f"Torch.linalg.vector_norm.{i}.forward"] = {
+            "input_args": [tensor([32], lo, hi, 0.0, size * 3)],
+            "input_kwargs": {},
+            "output": [tensor([], size * 3, size * 3, size * 3, size * 3)],
+        }
+    write_dump(folder, data)
+    return folder
+
+
+def test_a_gradient_of_rounding_noise_beside_the_others_is_no_failure(tmp_path: Path) -> None:
+    baseline = _norms(tmp_path / "b", (4.7e-9, -3.5e-9))
+    target = _norms(tmp_path / "t", (2.3e-9, -1.7e-9))  # another summation order: other noise, half as large
+    result = compare(target, baseline)
+    assert result.passed, result.first_divergence
+    noisy = [r for r in result.rows if r.row.startswith("Torch.linalg.vector_norm.2.")]
+    assert noisy and all(r.status == "warning" and "rounding noise" in r.reason for r in noisy)
+    # a gradient as large as the others, off by as much, fails: it is no noise
+    target = _norms(tmp_path / "t2", (0.5, -0.5), other=0.5)
+    baseline = _norms(tmp_path / "b2", (0.25, -0.25), other=0.5)
+    assert not compare(target, baseline).passed
