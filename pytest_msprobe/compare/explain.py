@@ -160,22 +160,22 @@ def explain_noise_siblings(builder: Builder) -> None:
     a float32 sum as rounding noise, its size that of the terms summed times float32's epsilon: another summation
     order gives other noise, 50% off. Gradient clipping then takes its norm with every other gradient's, where it
     is 1e-8 beside norms near 1. A failing row of a float32 (or float64) tensor whose largest magnitude, on both
-    sides, is at most 1024 epsilons of the largest magnitude of any row of the same API and direction in this dump
-    pair is such noise: a warning that says so, not a failure."""
-    magnitude: dict[tuple[str, str | None], float] = {}
+    sides, is at most 1024 epsilons of the largest magnitude of the same slot (``output.0``) of the same API and
+    direction in this dump pair is such noise: a warning that says so, not a failure."""
+    magnitude: dict[tuple[str, str | None, str], float] = {}
     sizes: list[float | None] = []
     for d in builder.drafts:
         size = _magnitude(d)
         sizes.append(size)
         if size is not None:
-            key = (builder.apis[d.api_index].base, builder.apis[d.api_index].direction)
+            key = _sibling_key(builder, d)
             magnitude[key] = max(magnitude.get(key, 0.0), size)
     for d, size in zip(builder.drafts, sizes):
         check = d.check
         if check is None or check.status != ERROR or size is None or d.baseline is None:
             continue
         eps = _NOISE_EPS.get(normalize_dtype(d.baseline.dtype) or "")
-        largest = magnitude[(builder.apis[d.api_index].base, builder.apis[d.api_index].direction)]
+        largest = magnitude[_sibling_key(builder, d)]
         if eps is None or not largest or size > _NOISE_ULPS * eps * largest:
             continue
         note = (
@@ -187,6 +187,13 @@ def explain_noise_siblings(builder: Builder) -> None:
             else "rounding noise: zero beside its API's other calls"
         )
         d.check = amend(check, note, WARNING)
+
+
+def _sibling_key(builder: Builder, d: Draft) -> tuple[str, str | None, str]:
+    """The API, direction and slot of a row: its siblings are the rows of the same slot of its API's other calls
+    (an output beside outputs; a softmax's input holds its mask fill, -1e4, and says nothing of its output)."""
+    call = builder.apis[d.api_index]
+    return call.base, call.direction, d.row[len(d.api) :] if d.row.startswith(d.api) else d.row
 
 
 def _magnitude(d: Draft) -> float | None:
