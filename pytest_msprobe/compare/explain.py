@@ -23,7 +23,7 @@ from pytest_msprobe.compare.thresholds import Thresholds, normalize_dtype
 from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import TENSOR_DIR
 from pytest_msprobe.format.names import FORWARD
-from pytest_msprobe.format.optimizer import is_update
+from pytest_msprobe.format.optimizer import UPDATE_PREFIX, is_update
 
 
 def explain_in_place(builder: Builder) -> None:
@@ -191,9 +191,14 @@ def explain_noise_siblings(builder: Builder) -> None:
 
 def _sibling_key(builder: Builder, d: Draft) -> tuple[str, str | None, str]:
     """The API, direction and slot of a row: its siblings are the rows of the same slot of its API's other calls
-    (an output beside outputs; a softmax's input holds its mask fill, -1e4, and says nothing of its output)."""
+    (an output beside outputs; a softmax's input holds its mask fill, -1e4, and says nothing of its output), and
+    the tensors of one list argument are siblings of one another."""
     call = builder.apis[d.api_index]
-    return call.base, call.direction, d.row[len(d.api) :] if d.row.startswith(d.api) else d.row
+    suffix = d.row[len(d.api) :] if d.api and d.row.startswith(d.api) else d.row
+    # the argument, not the element: a list's tensors (torch.stack's norms) are siblings of one another; the
+    # updates of optimizer.json, one record per parameter, are siblings of one another
+    base = UPDATE_PREFIX if is_update(call.api) else call.base
+    return base, call.direction, ".".join(suffix.split(".")[:3])
 
 
 def _magnitude(d: Draft) -> float | None:
