@@ -209,3 +209,24 @@ def test_a_gradient_of_rounding_noise_beside_the_others_is_no_failure(tmp_path: 
     target = _norms(tmp_path / "t2", (0.5, -0.5), other=0.5)
     baseline = _norms(tmp_path / "b2", (0.25, -0.25), other=0.5)
     assert not compare(target, baseline).passed
+
+
+def test_the_tensors_of_one_list_argument_are_siblings(tmp_path: Path) -> None:
+    """torch.stack of clipping's norms: the key bias's norm, rounding noise, beside the others in one list."""
+
+    def stacked(folder: Path, noise: float) -> Path:
+        items = [tensor([], v, v, v, v) for v in (0.5, 0.4, noise, 0.3)]
+        data = {
+            "Torch.stack.0.forward": {
+                "input_args": [items],
+                "input_kwargs": {},
+                "output": [tensor([4], noise, 0.5, (1.2 + noise) / 4, 0.7071)],
+            }
+        }
+        write_dump(folder, data)
+        return folder
+
+    result = compare(stacked(tmp_path / "t", 4.6e-9), stacked(tmp_path / "b", 1.03e-8))
+    assert result.passed, result.first_divergence
+    row = next(r for r in result.rows if r.row == "Torch.stack.0.forward.input.0.2")
+    assert row.status == WARNING and "rounding noise" in row.reason
