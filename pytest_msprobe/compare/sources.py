@@ -27,7 +27,9 @@ other outside input drifts: when any of them differs at all, however little, non
 enter, and its growth is measured from its other inputs and the drift's scale (the largest output error of a
 call reading a drifting input before it). At the first step of
 training (step 0, or a dump without steps) weights and buffers are the initial ones, and any of them that
-differs is a source.
+differs is a source; so are they at a step whose step before is compared too (a whole run): whatever that
+step's calls changed is in the compare, earlier, and a weight that no recorded call of it gave changed outside
+them.
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ def find_sources(apis: Sequence[ApiResult], rows: Sequence[RowResult], differs: 
     baseline), by call, and the rows that drift (see the module docstring)."""
     made: dict[int | None, _Made] = {}
     backward_seen: set[tuple[int | None, int | None]] = set()
+    # the steps whose step before is compared too (of the same rank): what that step left is in the compare
+    places = {(a.step, a.rank) for a in apis if a.step is not None}
+    continued = {(s, r) for s, r in places if (s - 1, r) in places}
     by_call: dict[int, list[Source]] = {}
     carried: dict[tuple[int | None, int | None], list[int]] = {}  # outside inputs a later step starts with
     for i in sorted(range(len(apis)), key=lambda i: apis[i].order):
@@ -155,7 +160,7 @@ def find_sources(apis: Sequence[ApiResult], rows: Sequence[RowResult], differs: 
                 if kind == DATA and place not in backward_seen:  # the step's data: read, never drifts
                     if j in differs:
                         by_call.setdefault(i, []).append(Source(i, j, kind))
-                elif api.step not in (0, None) or kind == DATA:
+                elif (api.step not in (0, None) and place not in continued) or kind == DATA:
                     # what the steps before left (weights, buffers, an optimizer's state), or, after the
                     # step's backward, a gradient autograd summed
                     carried.setdefault(place, []).append(j)
@@ -166,9 +171,9 @@ def find_sources(apis: Sequence[ApiResult], rows: Sequence[RowResult], differs: 
             if leaf is not None and rows[j].role == OUTPUT:
                 seen.add(leaf)
     drifting: set[int] = set()
-    for (step, _), found in carried.items():
+    for (step, rank), found in carried.items():
         # at a later step, when any of it differs, all of it may: a weight whose statistics agree may still
         # differ in its elements (an update that moved some elements, not the extremes)
-        if step not in (0, None) and any(rows[j].error for j in found):
+        if step not in (0, None) and (step, rank) not in continued and any(rows[j].error for j in found):
             drifting.update(found)
     return Sources({i: tuple(ss) for i, ss in by_call.items()}, frozenset(drifting))

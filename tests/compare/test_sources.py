@@ -235,3 +235,25 @@ def test_a_call_computed_at_a_lower_precision_is_out_of_line_before_its_backward
     fd = result.first_divergence
     assert fd is not None and (fd.api, fd.rule) == ("Functional.gelu.0.forward", "out of line"), fd
     assert "lower precision than float32" in fd.reason
+
+
+def test_a_weight_changed_between_two_compared_steps_is_a_source_of_the_whole_run(
+    tmp_path: Path, clean: dict
+) -> None:
+    """Step 0's update of fc2 is recorded and compared: fc2 at step 1 that no recorded call gave changed outside
+    them (a checkpoint reloaded, a hook), and the whole run names its first reader; step 1 alone cannot tell that
+    from what step 0 left."""
+
+    def between(model: Any, step: int) -> None:
+        if step == 1:
+            with torch.no_grad():
+                model.fc2.weight.mul_(1.01)
+
+    target = _train(tmp_path / "t", "mlp", before_step=between)
+    run = _fd(target, clean["mlp"])
+    assert (run["api"], run["row"], run["step"], run.get("source")) == (
+        "Functional.linear.1.forward",
+        "Functional.linear.1.forward.input.1",
+        1,
+        "parameter",
+    ) or (run["kind"], run["api"], run["step"]) == ("parameter", "Functional.linear.1.forward", 1), run
