@@ -45,7 +45,7 @@ from pytest_msprobe.compare.result import (
     RowResult,
     worst,
 )
-from pytest_msprobe.compare.thresholds import Thresholds
+from pytest_msprobe.compare.thresholds import Thresholds, Tolerance
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.names import BACKWARD, FORWARD, is_parameters_grad, params_grad_module, parse_name
 
@@ -273,12 +273,7 @@ class Builder:
         if kinds is not None:
             draft.check = kinds
             return
-        # the baseline's dtype sets the tolerance: the target must reproduce the baseline to its precision (a
-        # float32 tensor whose values a half type made, to the looser of the two)
-        tol, draft.skip = self.thresholds.tolerance(bl.dtype, t_api, draft.row, statistics=True)
-        carried = carried_dtype(tl, bl)
-        if carried is not None:
-            tol = tol.looser(self.thresholds.tolerance(carried, t_api, draft.row, statistics=True)[0])
+        tol, draft.skip = self._tolerance(tl, bl, t_api, draft.row, statistics=True)
         if mode == "md5":
             draft.check = finish(check_md5(tl, bl, tol), draft.skip, t_api)
         elif mode == "tensor" and tl.data_name and bl.data_name and tl.shape == bl.shape:
@@ -333,16 +328,24 @@ class Builder:
         files = [self.drafts[i].task for i in self.tasks]
         return [f for f in files if f is not None]
 
+    def _tolerance(
+        self, target: Leaf, baseline: Leaf, api: str, row: str, statistics: bool = False
+    ) -> tuple[Tolerance, bool]:
+        """A row's tolerance, and whether it is skipped. The baseline's dtype sets it: the target must reproduce
+        the baseline to its precision; a float32 tensor whose values a half type made, to the looser of the two."""
+        tol, skip = self.thresholds.tolerance(baseline.dtype, api, row, statistics=statistics)
+        carried = carried_dtype(target, baseline)
+        if carried is not None:
+            tol = tol.looser(self.thresholds.tolerance(carried, api, row, statistics=statistics)[0])
+        return tol, skip
+
     def add_tensor_metrics(self, results: Sequence[TensorMetrics]) -> None:
         """Judge the rows waiting for tensor files by their metrics (:meth:`tensor_files` order); the file
         names are dropped (the builder may travel back from a worker)."""
         for i, outcome in zip(self.tasks, results):
             draft = self.drafts[i]
             assert draft.target is not None and draft.baseline is not None
-            tol, _ = self.thresholds.tolerance(draft.baseline.dtype, draft.api, draft.row)
-            carried = carried_dtype(draft.target, draft.baseline)
-            if carried is not None:
-                tol = tol.looser(self.thresholds.tolerance(carried, draft.api, draft.row)[0])
+            tol, _ = self._tolerance(draft.target, draft.baseline, draft.api, draft.row)
             check = check_tensors(draft.target, draft.baseline, outcome, tol, self.thresholds.msprobe_rule)
             draft.check = finish(check, draft.skip, draft.api)
             draft.task = None

@@ -14,24 +14,20 @@ from collections.abc import Sequence
 from pytest_msprobe.compare.checklist import BUFFER, DATA, PARAMETER, Difference
 from pytest_msprobe.compare.result import SOURCE, ApiResult, Divergence, RowResult
 
-_KINDS = {
-    PARAMETER: (PARAMETER, "a weight"),
-    BUFFER: (BUFFER, "a running statistic"),
-    DATA: (DATA, "an input"),
-}
+_WHAT = {PARAMETER: "a weight", BUFFER: "a running statistic", DATA: "an input"}  # the kinds a checklist has
 
 
 def from_records(
     apis: Sequence[ApiResult], rows: Sequence[RowResult], fd: Divergence | None
 ) -> Difference | None:
     """The outside input the first divergence reads (see the module docstring), None when there is none."""
-    if fd is None or fd.rule != SOURCE or fd.source not in _KINDS:
+    if fd is None or fd.rule != SOURCE or fd.source not in _WHAT:
         return None
     api, row = apis[fd.api_index], rows[fd.row_index]
     t = row.target
     if t is None or t.shape is None:
         return None
-    kind, what = _KINDS[fd.source]
+    kind, what = fd.source, _WHAT[fd.source]
     detail = (
         f"{what} of {api.api} ({row.row}, {list(t.shape)} {str(t.dtype).removeprefix('torch.')}) differs "
         f"from the baseline's ({row.reason or 'near its tolerance'}) and no recorded call made it: it comes from "

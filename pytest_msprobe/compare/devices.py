@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.divergence import inputs_match
+from pytest_msprobe.compare.divergence import inputs_matcher
 from pytest_msprobe.compare.result import (
     ERROR,
     WARNING,
@@ -107,6 +107,7 @@ def judge_across(
     out_of_line: list[int] = []
     drifting: list[tuple[int, str]] = []
     evidence = 0
+    inputs_match = inputs_matcher(apis, rows, feeds, opaque, peers, noise)
     for i, api in enumerate(apis):
         verdict = own.get(i)
         judged = verdict is not None and not verdict.skipped
@@ -118,13 +119,7 @@ def judge_across(
         elif (
             i == overflowing
             or any(rows[j].status == ERROR and rows[j].problem for j in api.rows)
-            or (
-                not judged
-                and (
-                    i in relations
-                    or (api.output_breach and inputs_match(apis, rows, feeds, opaque, peers, noise, i))
-                )
-            )
+            or (not judged and (i in relations or (api.output_breach and inputs_match(i))))
         ):
             evidence += 1
         else:

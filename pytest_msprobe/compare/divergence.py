@@ -41,7 +41,7 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pytest_msprobe.compare.records import OUTPUT
@@ -148,19 +148,19 @@ def first_divergence(
     return _structural(calls, structural or {}) or fallback
 
 
-def inputs_match(
+def inputs_matcher(
     apis: Sequence[ApiResult],
     rows: Sequence[RowResult],
     feeds: Mapping[int, Sequence[int]],
     opaque: Collection[int],
     peers: Mapping[int, Sequence[int]],
     noise: Collection[int],
-    i: int,
-) -> bool:
+) -> Callable[[int], bool]:
     """Whether every input of call ``i`` matches the baseline (within a tenth of its tolerance; see rule 1):
-    then an output that breaches shows the error entering at this call."""
-    _, _, tainted = _Calls.of(apis, rows, feeds, opaque, peers, frozenset(noise)).effective_inputs(i)
-    return not tainted
+    then an output that breaches shows the error entering at this call. The calls (and the inputs from outside
+    them) are read once, for every call asked about."""
+    calls = _Calls.of(apis, rows, feeds, opaque, peers, frozenset(noise))
+    return lambda i: not calls.effective_inputs(i)[2]
 
 
 def inputs_of_other_shapes(api: ApiResult, rows: Sequence[RowResult]) -> list[int]:
@@ -193,22 +193,18 @@ class _Calls:
         noise: frozenset[int],
     ) -> _Calls:
         """The calls, with the inputs that came from outside the recorded calls."""
-        calls = cls(apis, rows, feeds, opaque, peers, noise)
         # (a tensor of another shape is another model's or data's, not an input that came in from outside)
         differs = frozenset(
             j
             for j, r in enumerate(rows)
-            if (r.status == ERROR or (j not in noise and calls.near(j))) and not shape_differs(r)
+            if (r.status == ERROR or (j not in noise and _close_to_line(r))) and not shape_differs(r)
         )
         return cls(apis, rows, feeds, opaque, peers, noise, find_sources(apis, rows, differs))
 
     def near(self, j: int) -> bool:
         # within a tenth of its tolerance: a row this close to the line does not "match" the baseline; nor
         # does one whose difference is too small to measure, nor a weight that drifts
-        if j in self.noise or j in self.sources.drifting:
-            return True
-        r = self.rows[j]
-        return r.error is not None and r.allowed is not None and r.error > r.allowed * NEAR_FRACTION
+        return j in self.noise or j in self.sources.drifting or _close_to_line(self.rows[j])
 
     def effective_inputs(self, i: int) -> tuple[float | None, bool, bool]:
         """(largest input error, whether an input breaches, whether an input is near or over its tolerance)."""
@@ -240,6 +236,11 @@ class _Calls:
         if row is None:
             row = _worst_output_row(api, self.rows)
         return Divergence(api.api, self.rows[row].row, api.step, api.rank, why, rule, i, row)
+
+
+def _close_to_line(r: RowResult) -> bool:
+    """Whether a row's measured difference is over a tenth of its tolerance."""
+    return r.error is not None and r.allowed is not None and r.error > r.allowed * NEAR_FRACTION
 
 
 def _enters(calls: _Calls, breaching: list[int]) -> Divergence | None:
@@ -309,19 +310,20 @@ def _grows(calls: _Calls, breaching: list[int], amplification: float) -> Diverge
         api = apis[i]
         place = (api.step, api.rank)
         drifts = any(j in drifting for j in api.rows)
-        in_err, _, _ = calls.effective_inputs(i)
-        if drifts:  # measured from the other inputs and the drift's scale
+        out_err, so_far = api.output_error, scale.get(place, 0.0)
+        if drifts and out_err is not None and math.isfinite(out_err):
+            scale[place] = max(so_far, out_err)
+        if i not in candidates:
+            continue
+        if drifts:  # measured from the other inputs and the drift's scale before it
             others = [
                 e
                 for j in api.rows
                 if rows[j].role != OUTPUT and j not in drifting and (e := rows[j].error) is not None
             ]
-            in_err = max([*others, scale.get(place, 0.0)], default=None)
-        out_err = api.output_error
-        if drifts and out_err is not None and math.isfinite(out_err):
-            scale[place] = max(scale.get(place, 0.0), out_err)
-        if i not in candidates:
-            continue
+            in_err: float | None = max([*others, so_far])
+        else:
+            in_err, _, _ = calls.effective_inputs(i)
         # a ratio means something only for a finite input error: inputs that differ beyond measure (another
         # shape, NaN/Inf on one side) cannot show the error growing
         if not in_err or not math.isfinite(in_err) or out_err is None or out_err < amplification * in_err:

@@ -163,19 +163,16 @@ def explain_noise_siblings(builder: Builder) -> None:
     sides, is at most 1024 epsilons of the largest magnitude of the same slot (``output.0``) of the same API and
     direction in this dump pair is such noise: a warning that says so, not a failure."""
     magnitude: dict[tuple[str, str | None, str], float] = {}
-    sizes: list[float | None] = []
-    for d in builder.drafts:
-        size = _magnitude(d)
-        sizes.append(size)
+    sized = [(d, _sibling_key(builder, d), _magnitude(d)) for d in builder.drafts]
+    for _, key, size in sized:
         if size is not None:
-            key = _sibling_key(builder, d)
             magnitude[key] = max(magnitude.get(key, 0.0), size)
-    for d, size in zip(builder.drafts, sizes):
+    for d, key, size in sized:
         check = d.check
         if check is None or check.status != ERROR or size is None or d.baseline is None:
             continue
         eps = _NOISE_EPS.get(normalize_dtype(d.baseline.dtype) or "")
-        largest = magnitude[_sibling_key(builder, d)]
+        largest = magnitude[key]
         if eps is None or not largest or size > _NOISE_ULPS * eps * largest:
             continue
         note = (
