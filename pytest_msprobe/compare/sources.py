@@ -11,7 +11,9 @@ reader does with it. What it is, by the reader's slot and the record:
 - ``buffer``: a batch_norm's running statistics;
 - ``data``: an input that does not require grad (the batch, a mask, a constant);
 - ``unrecorded``: an input that requires grad in no weight's place: the output of an operation that was not
-  recorded, or a parameter read directly (a cls token, a position embedding).
+  recorded, or a parameter read directly (a cls token, a position embedding). Such an operation may compute
+  from what the recorded calls before it gave: it is a source only where it differs at least ``ALONE`` (10)
+  times more than any recorded call's output before it in the step.
 
 "Made by a recorded call" is read from the target's statistics: the same dtype, element count, Max and Min
 (which no view, reshape or transpose changes, and no summation order either), and Mean and Norm within a
@@ -30,6 +32,15 @@ training (step 0, or a dump without steps) weights and buffers are the initial o
 differs is a source; so are they at a step whose step before is compared too (a whole run): whatever that
 step's calls changed is in the compare, earlier, and a weight that no recorded call of it gave changed outside
 them.
+
+Whether a later step drifts is read from what it starts with: the weights, buffers and unrecorded outputs read
+before its first backward call. When none of them differs, nothing drifts (a gradient autograd summed after
+the backward, or an optimizer's state, differs by what this step did). When the first of them that differs
+at all is read after others that match exactly, and the weights and buffers read after it differ at least
+10x less (an earlier step's update moves every weight it reaches, the first layers' too), it is no drift
+but a change since the step before (``changed``): made outside the recorded calls, or by the step before's
+update of that one tensor. It is named at its first reader, after any call whose own error shows (the
+update that changes it again), before any growth.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from pytest_msprobe.compare.records import INPUT, OUTPUT, TENSOR, Leaf
 from pytest_msprobe.compare.result import (
     BUFFER_SOURCE,
     DATA_SOURCE,
+    ERROR,
     PARAMETER_SOURCE,
     UNMATCHED,
     UNRECORDED_SOURCE,
@@ -81,6 +93,7 @@ class Sources:
 
     by_call: dict[int, tuple[Source, ...]]
     drifting: frozenset[int]  # rows: weights that differ at a step whose weights drift
+    changed: tuple[Source, ...] = ()  # at a later step, the one tensor it starts with that differs
 
     def first(self, apis: Sequence[ApiResult]) -> Source | None:
         """The source read first, in execution order."""
@@ -89,6 +102,8 @@ class Sources:
 
 
 NO_SOURCES = Sources({}, frozenset())
+# how much more than any other tensor a step starts with one must differ to be a change, not drift
+ALONE = 10.0
 
 
 def kind_of(api: str, leaf: Leaf) -> str:
@@ -144,7 +159,11 @@ def find_sources(apis: Sequence[ApiResult], rows: Sequence[RowResult], differs: 
     places = {(a.step, a.rank) for a in apis if a.step is not None}
     continued = {(s, r) for s, r in places if (s - 1, r) in places}
     by_call: dict[int, list[Source]] = {}
-    carried: dict[tuple[int | None, int | None], list[int]] = {}  # outside inputs a later step starts with
+    # outside inputs of a later step: (reader, row, kind, read before the step's first backward)
+    carried: dict[tuple[int | None, int | None], list[tuple[int, int, str, bool]]] = {}
+    # the largest output error of the recorded calls so far, by step and rank: an unrecorded operation's
+    # output that differs less than ALONE times it may be made from theirs
+    so_far: dict[tuple[int | None, int | None], float] = {}
     for i in sorted(range(len(apis)), key=lambda i: apis[i].order):
         api = apis[i]
         seen = made.setdefault(api.rank, _Made())
@@ -163,17 +182,66 @@ def find_sources(apis: Sequence[ApiResult], rows: Sequence[RowResult], differs: 
                 elif (api.step not in (0, None) and place not in continued) or kind == DATA:
                     # what the steps before left (weights, buffers, an optimizer's state), or, after the
                     # step's backward, a gradient autograd summed
-                    carried.setdefault(place, []).append(j)
-                elif j in differs:
+                    carried.setdefault(place, []).append((i, j, kind, place not in backward_seen))
+                elif j in differs and (
+                    kind != UNRECORDED or (rows[j].error or 0.0) >= ALONE * so_far.get(place, 0.0)
+                ):
                     by_call.setdefault(i, []).append(Source(i, j, kind))
         for j in api.rows:
             leaf = rows[j].target
             if leaf is not None and rows[j].role == OUTPUT:
                 seen.add(leaf)
+                error = rows[j].error
+                if api.status != UNMATCHED and error is not None and math.isfinite(error):
+                    so_far[place] = max(so_far.get(place, 0.0), error)
     drifting: set[int] = set()
-    for (step, rank), found in carried.items():
-        # at a later step, when any of it differs, all of it may: a weight whose statistics agree may still
-        # differ in its elements (an update that moved some elements, not the extremes)
-        if step not in (0, None) and (step, rank) not in continued and any(rows[j].error for j in found):
-            drifting.update(found)
-    return Sources({i: tuple(ss) for i, ss in by_call.items()}, frozenset(drifting))
+    changed: list[Source] = []
+    for place, found in carried.items():
+        if place[0] in (0, None) or place in continued:
+            continue
+        # what the step starts with decides whether it drifts; after its backward, a gradient autograd summed
+        # or an optimizer's state differs with it, or by what this step did
+        start = [(i, j, kind) for i, j, kind, before in found if before]
+        if not any(rows[j].error for _, j, _ in start):
+            continue
+        alone = _changed_alone(rows, start)
+        if alone is None:
+            drifting.update(j for _, j, _, _ in found)
+            continue
+        changed.append(alone)
+        own = _identity(rows, alone.row_index)
+        drifting.update(
+            j for _, j, _, before in found if before and rows[j].error and _identity(rows, j) != own
+        )
+    return Sources({i: tuple(ss) for i, ss in by_call.items()}, frozenset(drifting), tuple(changed))
+
+
+def _changed_alone(rows: Sequence[RowResult], start: Sequence[tuple[int, int, str]]) -> Source | None:
+    """The tensor a step starts with that changed since the step before, at its first reader: the first read
+    that differs at all (everything read before it matches exactly), breaching, and ``ALONE`` times further
+    off than any weight or buffer read after it (one tensor read by several calls counts once); None when
+    there is none (the step drifts)."""
+    errors: dict[object, float] = {}
+    first: dict[object, Source] = {}
+    breaches: set[object] = set()
+    for i, j, kind in start:
+        key = _identity(rows, j)
+        errors[key] = max(errors.get(key, 0.0), rows[j].error or 0.0)
+        first.setdefault(key, Source(i, j, kind))
+        if rows[j].status == ERROR:
+            breaches.add(key)
+    ordered = list(first)  # by first read
+    top = next((k for k in ordered if errors[k]), None)
+    if top is None or top not in breaches or not math.isfinite(errors[top]):
+        return None
+    later = ordered[ordered.index(top) + 1 :]
+    # (an unrecorded operation's output read later may be made from it, and grow: only weights and buffers)
+    e2 = max((errors[k] for k in later if first[k].kind in (PARAMETER, BUFFER)), default=0.0)
+    return first[top] if errors[top] >= ALONE * e2 else None
+
+
+def _identity(rows: Sequence[RowResult], j: int) -> object:
+    """What tells row ``j``'s target tensor from others (one tensor read by several calls, or as a view)."""
+    leaf = rows[j].target
+    key = _Made._key(leaf) if leaf is not None else None
+    return key if key is not None else ("row", j)

@@ -257,3 +257,50 @@ def test_a_weight_changed_between_two_compared_steps_is_a_source_of_the_whole_ru
         1,
         "parameter",
     ) or (run["kind"], run["api"], run["step"]) == ("parameter", "Functional.linear.1.forward", 1), run
+    # step 1 alone: fc2 is the one tensor step 1 starts with that differs (every other weight matches), so it
+    # changed since step 0, and its first reader is named: no drift of every weight after an earlier fault
+    alone = _fd(target / "step1", clean["mlp"] / "step1")
+    assert (alone["kind"], alone["api"], alone["row"], alone["step"]) == (
+        "parameter",
+        "Functional.linear.1.forward",
+        "Functional.linear.1.forward.input.1",
+        1,
+    ), alone
+    result = compare(target / "step1", clean["mlp"] / "step1")
+    fd = result.first_divergence
+    assert fd is not None and (fd.rule, fd.source) == ("source", "parameter"), fd
+    assert "changed since the step before" in fd.reason
+
+
+def test_a_dtype_change_at_a_later_step_is_named_at_its_call_whatever_drifts(
+    tmp_path: Path, clean: dict
+) -> None:
+    """fc2 in float16 at every step: at step 1 every weight has drifted, yet no drift changes a dtype."""
+
+    def half() -> Any:
+        return _on_call("linear", 1, lambda orig, *a, **k: orig(*a, **k).to(torch.float16))
+
+    target = _train(tmp_path / "t", "mlp", autocast=True, patch=half)
+    result = compare(target / "step1", clean["mlp-bf16"] / "step1")
+    fd = result.first_divergence
+    assert fd is not None and fd.api == "Functional.linear.1.forward" and fd.row.endswith(".output.0"), fd
+    assert "float16 where the baseline's is torch.bfloat16" in fd.reason
+
+
+def test_a_difference_within_tolerance_that_breaches_later_is_named_where_it_starts(
+    tmp_path: Path, clean: dict
+) -> None:
+    """gelu.0's output off by a part in 1e5 (within float32's statistics tolerance): every call before it
+    matches exactly, the calls after it breach, and no unrecorded operation or call downstream is blamed."""
+
+    def off() -> Any:
+        return _on_call("gelu", 0, lambda orig, x, **k: _MUL(orig(x, **k), 1 + 3e-5))
+
+    target = _train(tmp_path / "t", "mlp", patch=off, steps=1)
+    result = compare(target / "step0", clean["mlp"] / "step0")
+    fd = result.first_divergence
+    assert fd is not None and fd.api == "Functional.gelu.0.forward", fd
+    row = result.rows[fd.row_index]
+    assert (
+        row.status != "error" and "every call before it in the step, match the baseline exactly" in fd.reason
+    )
