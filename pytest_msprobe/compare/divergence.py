@@ -21,7 +21,8 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
    the same code: the differences start somewhere), the earliest call whose output differs, by at least a
    tenth of its tolerance or beyond it, while its inputs match exactly, when a later call breaches: the
    difference starts there, however far below its tolerance (a softmax computed in float16 whose own
-   statistics stay within float32's). Not at a step whose weights drift.
+   statistics stay within float32's). Not at a step whose weights drift, nor across devices (their rounding
+   differs from the first call that computes).
 1b. *source*: or, when it comes earlier, the earliest call with an input that differs and that no recorded call
    made (see :mod:`pytest_msprobe.compare.sources`): a weight, a buffer, the data or the output of an operation
    that is not recorded; the error enters with that input, at its first reader. A weight that drifts (every
@@ -73,6 +74,7 @@ from pytest_msprobe.compare.result import (
     ROUNDING,
     SOURCE,
     UNMATCHED,
+    UNRECORDED_SOURCE,
     ApiResult,
     Divergence,
     Overflow,
@@ -98,6 +100,7 @@ def first_divergence(
     noise: Collection[int] = (),
     relations: Mapping[int, str] | None = None,
     overflow: Overflow | None = None,
+    across_devices: bool = False,
 ) -> Divergence | None:
     """Where the error enters (see the module docstring). ``feeds[i]`` are the calls whose tensors call ``i``
     also reads (a backward call's forward call; a parameters_grad's module backward); the inputs of the
@@ -110,7 +113,8 @@ def first_divergence(
     ``noise`` are the rows whose difference is too small to measure (every value within atol): as inputs they
     do not match the baseline, they are unknown. ``relations[i]`` says how call ``i``'s statistics break a
     relation on the target that they keep on the baseline. ``overflow`` is the first call that overflows on the
-    target only (rule 00), where there is one."""
+    target only (rule 00), where there is one. ``across_devices``: the checklists say the runs ran on different
+    devices or numerics settings, where rounding makes the first difference (rule 1a says nothing there)."""
     if overflow is not None and overflow.api_index is not None and overflow.row_index is not None:
         return Divergence(
             overflow.api,
@@ -135,7 +139,7 @@ def first_divergence(
         apis,
         _enters(calls, breaching),
         _source(calls) if outside else None,
-        _first_difference(calls, compared) if failing else None,
+        _first_difference(calls, compared) if failing and not across_devices else None,
     )
     out_of_line = min(((apis[i].order, i) for i, v in own.items() if v.out_of_line), default=None)
     if (
@@ -269,6 +273,8 @@ def _source(calls: Calls) -> Divergence | None:
         f"differs from the baseline's ({row.reason or 'near its tolerance'}) and no recorded call made it: the "
         "error comes in here, from outside the recorded calls"
     )
+    if first.kind == UNRECORDED_SOURCE and not any(a.api.startswith("Module.") for a in calls.apis):
+        why += " (a dump at level mix records the modules too, and names the one whose output it is)"
     found = calls.at(first.api_index, SOURCE, why, first.row_index)
     return replace(found, source=first.kind)
 

@@ -168,6 +168,7 @@ def compare(
         noise,
         relations,
         overflow,
+        across_devices=why is not None,
     )
     if not checklist.checked:  # dumps without checklists (plain msprobe's): what their records tell of one
         inferred = from_records(apis, rows, divergence)

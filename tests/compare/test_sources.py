@@ -64,6 +64,7 @@ def _train(
     before_step: Callable[[Any, int], None] | None = None,
     patch: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     autocast: bool = False,
+    level: str = "L1",
 ) -> Path:
     from pytest_msprobe import PrecisionDebugger, seed_all
 
@@ -76,14 +77,14 @@ def _train(
     else:
         batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))]
     batches *= steps
-    debugger = PrecisionDebugger(task=task, dump_path=str(path), level="L1", step=list(range(steps)))
+    debugger = PrecisionDebugger(task=task, dump_path=str(path), level=level, step=list(range(steps)))
     try:
         for step, (x, y) in enumerate(batches):
             if before_step is not None:
                 before_step(model, step)
                 x = getattr(model, "_data", x)
             with patch() if patch is not None else contextlib.nullcontext():
-                debugger.start()
+                debugger.start(model if level != "L1" else None)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     out = model(x)
                 loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
@@ -172,7 +173,16 @@ def test_the_output_of_an_unrecorded_operation_is_named_at_its_first_reader(
         "source",
         "unrecorded",
     )
-    assert "no recorded call made it" in fd["reason"]
+    assert "no recorded call made it" in fd["reason"] and "level mix" in fd["reason"]
+    # at level mix the modules are recorded too: the LSTM module's output is where the error enters
+    baseline = _train(tmp_path / "mb", "lstm", level="mix", steps=1)
+    target = _train(tmp_path / "mt", "lstm", level="mix", steps=1, before_step=_lstm_output_off)
+    fd = _fd(target / "step0", baseline / "step0")
+    assert (fd["api"], fd["row"], fd["rule"]) == (
+        "Module.lstm.LSTM.forward.0",
+        "Module.lstm.LSTM.forward.0.output.0",
+        "enters",
+    ), fd
 
 
 def test_the_data_of_a_later_step_is_a_source_and_the_weights_of_a_later_step_are_not(
