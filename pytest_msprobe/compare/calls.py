@@ -73,7 +73,14 @@ class Calls:
         api = apis[i]
         errors = [api.input_error] if api.input_error is not None else []
         breach = api.input_breach or i in self.opaque
-        tainted = breach or any(near(j) for j in api.rows if rows[j].role != OUTPUT)
+        # (an output held to a tighter tolerance than an input, a float32 loss of a bfloat16 logit, is off by
+        # that input's error: the input matches only within a tenth of the output's tolerance)
+        tight = min((a for j in api.rows if rows[j].role == OUTPUT and (a := rows[j].allowed)), default=None)
+        tainted = breach or any(
+            near(j) or (tight is not None and (rows[j].error or 0.0) > tight * NEAR_FRACTION)
+            for j in api.rows
+            if rows[j].role != OUTPUT
+        )
         for j in self.feeds.get(i, ()):
             other = apis[j]
             if other.status == UNMATCHED:

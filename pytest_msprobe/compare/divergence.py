@@ -12,7 +12,8 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
    inputs, see :mod:`pytest_msprobe.compare.own`), the earliest call whose own error is out of line, at any
    step and whatever flowed into it, unless rule 1 finds a call without own errors earlier.
 1. *enters*: the earliest call whose outputs breach while its inputs match (every input within a tenth of its
-   tolerance: an input close to its line may have pushed the output over). The inputs of a backward call are
+   tolerance, and of its output's where that is tighter, as a float32 loss's of bfloat16 logits: an input close
+   to the line may have pushed the output over). The inputs of a backward call are
    the gradients flowing in plus the tensors its forward call saw (a backward kernel reads them); a module's
    ``parameters_grad`` has the inputs of the module's backward. The inputs of a collective are its inputs on
    every rank of its group: an all_reduce whose output differs on rank 0 while rank 0's own input matches
@@ -42,7 +43,10 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
    when it is earlier, and applies whatever flowed in.
 3b. *grows*: otherwise, if every breaching call already has breaching inputs (errors flow in everywhere: a later step after
    an earlier fault moved the weights, a dump that starts mid-run), the earliest call whose output error is at
-   least ``amplification`` (10) times its input error.
+   least ``amplification`` (10) times its input error (where the weights drift, the one that grows it most).
+   A call before the first breach of its step whose output stays within its tolerance but over a tenth of it
+   may be that call too: a bfloat16 activation grown 100x within bfloat16's tolerance, only the float32 loss
+   after it breaching.
 4. *inherited*: otherwise the earliest breaching call; its inputs already differ, so the error entered before
    this dump.
 5. *rounding*: when rule 1 or 3 lands on a call whose own error is in line and no call is out of line, the
@@ -157,7 +161,20 @@ def first_divergence(
         return _rounding(calls, found, own)
     late = inconsistent or changed
     if late is None:
-        late = fallback.grows(calls, breaching, amplification)
+        # (a call whose output stays within its tolerance may still be where the error grows: under autocast a
+        # bfloat16 activation 100x off stays within bfloat16's, and only the float32 loss after it breaches)
+        # (before the first breach of its step and rank: the growth the breach shows)
+        first: dict[tuple[int | None, int | None], int] = {}
+        for i in breaching:
+            first.setdefault((apis[i].step, apis[i].rank), apis[i].order)
+        near = [
+            i
+            for _, i in compared
+            if not apis[i].output_breach
+            and apis[i].order < first.get((apis[i].step, apis[i].rank), -1)
+            and _output_near(calls, i)
+        ]
+        late = fallback.grows(calls, sorted(breaching + near, key=lambda i: apis[i].order), amplification)
     if late is not None and late.rule == GROWS:
         late = _rounding(calls, late, own)
     if late is None:
@@ -255,6 +272,11 @@ def _first_difference(calls: Calls, compared: Sequence[tuple[int, int]]) -> Dive
             why = f"its output differs ({suffix(api, rows, row)}: {rows[row].reason}) while its inputs match the baseline exactly: the error enters here"
         return calls.at(i, ENTERS, why, row)
     return None
+
+
+def _output_near(calls: Calls, i: int) -> bool:
+    """Whether call ``i`` has an output within its tolerance yet off by more than a tenth of it."""
+    return any(calls.rows[j].role == OUTPUT and close_to_line(calls.rows[j]) for j in calls.apis[i].rows)
 
 
 def _differs(r: RowResult) -> bool:
