@@ -22,6 +22,10 @@ from pytest_msprobe.compare.result import (
 
 
 def grows(calls: Calls, breaching: list[int], amplification: float) -> Divergence | None:
+    """The earliest of ``breaching`` (the candidates, in order) whose output error is ``amplification`` times its
+    input error; in a step whose weights drift, the one whose output grows most over its other inputs and the
+    drift's scale before it (the largest output error of a call reading a drifting input; the weights' own
+    statistics for the step's first such call, where no drift is measured yet)."""
     drifting, rows, apis = calls.sources.drifting, calls.rows, calls.apis
     # the drift's scale so far: the largest output error of a call that reads a drifting input, by step and rank
     # (a weight's statistics say too little of how much it changed: its readers' outputs say it)
@@ -44,6 +48,12 @@ def grows(calls: Calls, breaching: list[int], amplification: float) -> Divergenc
                 for j in api.rows
                 if rows[j].role != OUTPUT and j not in drifting and (e := rows[j].error) is not None
             ]
+            if not so_far:  # no drift measured yet in the step: the weights' own statistics are all there is
+                others += [
+                    e
+                    for j in api.rows
+                    if rows[j].role != OUTPUT and j in drifting and (e := rows[j].error) is not None
+                ]
             in_err: float | None = max([*others, so_far])
         else:
             in_err, _, _ = calls.effective_inputs(i)

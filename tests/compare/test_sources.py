@@ -5,6 +5,7 @@ msprobe's own files hold. Real torch trainings, dumped by our PrecisionDebugger,
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -337,3 +338,49 @@ def test_under_autocast_the_call_that_grows_the_error_is_named_though_only_the_l
     fd = result.first_divergence
     assert fd is not None and fd.api == "Functional.gelu.1.forward", fd
     assert result.rows[fd.row_index].status != "error" and fd.rule == "grows", fd
+
+
+def _ints_as_msprobe(root: Path) -> Path:
+    """msprobe 26 records no Mean and no Norm of an integer tensor: the dumps' int64 records made so."""
+    for path in root.rglob("dump.json"):
+        doc = json.loads(path.read_text())
+
+        def strip(node: Any) -> None:
+            if isinstance(node, dict):
+                if node.get("dtype") == "torch.int64":
+                    node["Mean"] = node["Norm"] = None
+                for value in node.values():
+                    strip(value)
+            elif isinstance(node, list):
+                for value in node:
+                    strip(value)
+
+        strip(doc)
+        path.write_text(json.dumps(doc))
+    return root
+
+
+def test_data_whose_statistics_agree_is_named_at_its_first_reader_at_a_later_step(
+    tmp_path: Path, clean: dict
+) -> None:
+    """Two token ids changed at every step, within the ids' range: msprobe records no Mean or Norm of integers,
+    so the ids' records agree; the embedding's output does not. At step 1 the weights have drifted after step 0's
+    change, and the embedding is the step's first call: no drift is measured before it, so its weight's own
+    statistics are what its output error is held against, and it is named, not a call after it."""
+
+    def change(model: Any, step: int) -> None:
+        g = torch.Generator().manual_seed(3)
+        x = torch.randint(0, 16, (2, 5), generator=g)
+        lo, hi = int(x.min()), int(x.max())
+        inner = [(i, j) for i in range(2) for j in range(5) if lo < int(x[i, j]) < hi][:2]  # not an extreme
+        for i, j in inner:
+            x[i, j] = lo + 1 + (int(x[i, j]) - lo) % (hi - lo - 1)  # another id strictly inside the range
+        model._data = x
+
+    target = _ints_as_msprobe(_train(tmp_path / "t", "lstm", before_step=change))
+    baseline = _ints_as_msprobe(_train(tmp_path / "b", "lstm"))
+    result = compare(target / "step1", baseline / "step1")
+    fd = result.first_divergence
+    assert fd is not None and fd.api == "Functional.embedding.0.forward", fd
+    ids = next(r for r in result.rows if r.row == "Functional.embedding.0.forward.input.0")
+    assert ids.status != "error" and fd.rule == "grows", (ids, fd)
