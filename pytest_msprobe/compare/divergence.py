@@ -87,7 +87,7 @@ from pytest_msprobe.compare.result import (
     fmt_number,
     shape_differs,
 )
-from pytest_msprobe.compare.sources import ALONE, KIND_TEXT
+from pytest_msprobe.compare.sources import ALONE, KIND_TEXT, Source
 from pytest_msprobe.format.own_errors import OwnError
 
 
@@ -289,16 +289,10 @@ def _source(calls: Calls) -> Divergence | None:
     first = calls.sources.first(calls.apis)
     if first is None:
         return None
-    api, row = calls.apis[first.api_index], calls.rows[first.row_index]
-    why = (
-        f"{first.kind}: its {suffix(api, calls.rows, first.row_index).lstrip('.')} ({KIND_TEXT[first.kind]}) "
-        f"differs from the baseline's ({row.reason or 'near its tolerance'}) and no recorded call made it: the "
-        "error comes in here, from outside the recorded calls"
-    )
+    how = "and no recorded call made it: the error comes in here, from outside the recorded calls"
     if first.kind == UNRECORDED_SOURCE and not any(a.api.startswith("Module.") for a in calls.apis):
-        why += " (a dump at level mix records the modules too, and names the one whose output it is)"
-    found = calls.at(first.api_index, SOURCE, why, first.row_index)
-    return replace(found, source=first.kind)
+        how += " (a dump at level mix records the modules too, and names the one whose output it is)"
+    return _at_source(calls, first, how)
 
 
 def _changed(calls: Calls) -> Divergence | None:
@@ -306,13 +300,20 @@ def _changed(calls: Calls) -> Divergence | None:
     found = min(calls.sources.changed, key=lambda s: calls.apis[s.api_index].order, default=None)
     if found is None:
         return None
+    how = (
+        f"at the start of step {calls.apis[found.api_index].step}, where everything else the step starts with "
+        f"matches or differs at least {ALONE:g}x less: it changed since the step before, outside the recorded "
+        "calls or in that step's update of it, and the error comes in here"
+    )
+    return _at_source(calls, found, how)
+
+
+def _at_source(calls: Calls, found: Source, how: str) -> Divergence:
+    """The divergence at an input from outside the recorded calls, its kind and slot said, then ``how``."""
     api, row = calls.apis[found.api_index], calls.rows[found.row_index]
     why = (
         f"{found.kind}: its {suffix(api, calls.rows, found.row_index).lstrip('.')} ({KIND_TEXT[found.kind]}) "
-        f"differs from the baseline's ({row.reason or 'near its tolerance'}) at the start of step {api.step}, "
-        "where everything else the step starts with matches or differs at least "
-        f"{ALONE:g}x less: it changed since the step before, outside the recorded calls or in that step's update "
-        "of it, and the error comes in here"
+        f"differs from the baseline's ({row.reason or 'near its tolerance'}) {how}"
     )
     return replace(calls.at(found.api_index, SOURCE, why, found.row_index), source=found.kind)
 

@@ -252,8 +252,8 @@ def test_a_weight_changed_between_two_compared_steps_is_a_source_of_the_whole_ru
     tmp_path: Path, clean: dict
 ) -> None:
     """Step 0's update of fc2 is recorded and compared: fc2 at step 1 that no recorded call gave changed outside
-    them (a checkpoint reloaded, a hook), and the whole run names its first reader; step 1 alone cannot tell that
-    from what step 0 left."""
+    them (a checkpoint reloaded, a hook), and the whole run names its first reader; step 1 alone names it too, as
+    the one tensor step 1 starts with that changed since the step before."""
 
     def between(model: Any, step: int) -> None:
         if step == 1:
