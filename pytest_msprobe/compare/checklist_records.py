@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from pytest_msprobe.compare.checklist import BUFFER, DATA, PARAMETER, Difference
 from pytest_msprobe.compare.result import SOURCE, ApiResult, Divergence, RowResult
+from pytest_msprobe.compare.sources import ALONE, CHANGED_SINCE
 
 _WHAT = {PARAMETER: "a weight", BUFFER: "a running statistic", DATA: "an input"}  # the kinds a checklist has
 
@@ -28,10 +29,16 @@ def from_records(
     if t is None or t.shape is None:
         return None
     kind, what = fd.source, _WHAT[fd.source]
+    origin = (
+        f"at the start of step {api.step}, where all else the step starts with matches or differs {ALONE:g}x less: "
+        f"{CHANGED_SINCE}"
+        if CHANGED_SINCE in fd.reason
+        else "and no recorded call made it: it comes from outside the dumped calls"
+    )
     detail = (
         f"{what} of {api.api} ({row.row}, {list(t.shape)} {str(t.dtype).removeprefix('torch.')}) differs "
-        f"from the baseline's ({row.reason or 'near its tolerance'}) and no recorded call made it: it comes from "
-        "outside the dumped calls (read off the records; the dumps carry no checklist)"
+        f"from the baseline's ({row.reason or 'near its tolerance'}) {origin} (read off the records; the dumps "
+        "carry no checklist)"
     )
     where = f"before step {api.step}" if kind != DATA else f"step {api.step}"
     return Difference(

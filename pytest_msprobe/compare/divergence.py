@@ -87,7 +87,7 @@ from pytest_msprobe.compare.result import (
     fmt_number,
     shape_differs,
 )
-from pytest_msprobe.compare.sources import ALONE, KIND_TEXT, Source
+from pytest_msprobe.compare.sources import ALONE, CHANGED_SINCE, KIND_TEXT, Source
 from pytest_msprobe.format.own_errors import OwnError
 
 
@@ -302,8 +302,7 @@ def _changed(calls: Calls) -> Divergence | None:
         return None
     how = (
         f"at the start of step {calls.apis[found.api_index].step}, where everything else the step starts with "
-        f"matches or differs at least {ALONE:g}x less: it changed since the step before, outside the recorded "
-        "calls or in that step's update of it, and the error comes in here"
+        f"matches or differs at least {ALONE:g}x less: {CHANGED_SINCE}, and the error comes in here"
     )
     return _at_source(calls, found, how)
 

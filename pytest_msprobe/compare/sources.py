@@ -104,6 +104,8 @@ class Sources:
 NO_SOURCES = Sources({}, frozenset())
 # how much more than any other tensor a step starts with one must differ to be a change, not drift
 ALONE = 10.0
+# what such a change is, in words (the first divergence's reason, and the plain dumps' checklist difference)
+CHANGED_SINCE = "it changed since the step before, outside the recorded calls or in that step's update of it"
 
 
 def kind_of(api: str, leaf: Leaf) -> str:

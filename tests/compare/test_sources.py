@@ -277,6 +277,7 @@ def test_a_weight_changed_between_two_compared_steps_is_a_source_of_the_whole_ru
         "Functional.linear.1.forward.input.1",
         1,
     ), alone
+    assert "changed since the step before" in alone["reason"]  # the plain dumps' checklist difference says so
     result = compare(target / "step1", clean["mlp"] / "step1")
     fd = result.first_divergence
     assert fd is not None and (fd.rule, fd.source) == ("source", "parameter"), fd
