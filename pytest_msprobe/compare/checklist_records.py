@@ -32,7 +32,7 @@ def from_records(
     origin = (
         f"at the start of step {api.step}, where all else the step starts with matches or differs {ALONE:g}x less: "
         f"{CHANGED_SINCE}"
-        if CHANGED_SINCE in fd.reason
+        if fd.changed
         else "and no recorded call made it: it comes from outside the dumped calls"
     )
     detail = (

@@ -161,20 +161,7 @@ def first_divergence(
         return _rounding(calls, found, own)
     late = inconsistent or changed
     if late is None:
-        # (a call whose output stays within its tolerance may still be where the error grows: under autocast a
-        # bfloat16 activation 100x off stays within bfloat16's, and only the float32 loss after it breaches)
-        # (before the first breach of its step and rank: the growth the breach shows)
-        first: dict[tuple[int | None, int | None], int] = {}
-        for i in breaching:
-            first.setdefault((apis[i].step, apis[i].rank), apis[i].order)
-        near = [
-            i
-            for _, i in compared
-            if not apis[i].output_breach
-            and apis[i].order < first.get((apis[i].step, apis[i].rank), -1)
-            and _output_near(calls, i)
-        ]
-        late = fallback.grows(calls, sorted(breaching + near, key=lambda i: apis[i].order), amplification)
+        late = fallback.grows(calls, _may_grow(calls, compared, breaching), amplification)
     if late is not None and late.rule == GROWS:
         late = _rounding(calls, late, own)
     if late is None:
@@ -259,24 +246,38 @@ def _first_difference(calls: Calls, compared: Sequence[tuple[int, int]]) -> Dive
         done.add(place)
         if place not in exact:
             continue
-        if not any(apis[k].status == ERROR and apis[k].order > api.order for _, k in compared) and (
-            api.status != ERROR
+        if api.status != ERROR and not any(
+            apis[k].status == ERROR and apis[k].order > api.order for _, k in compared
         ):
-            continue
-        why = (
-            f"its output differs ({suffix(api, rows, row)}: {rows[row].reason or 'within its tolerance'}) "
-            "while its inputs, and every call before it in the step, match the baseline exactly: the "
-            "difference starts here, and breaches later"
-        )
+            continue  # nothing breaches after it
         if api.status == ERROR:
-            why = f"its output differs ({suffix(api, rows, row)}: {rows[row].reason}) while its inputs match the baseline exactly: the error enters here"
+            how = "while its inputs match the baseline exactly: the error enters here"
+        else:
+            how = (
+                "while its inputs, and every call before it in the step, match the baseline exactly: the "
+                "difference starts here, and breaches later"
+            )
+        why = f"its output differs ({suffix(api, rows, row)}: {rows[row].reason or 'within its tolerance'}) {how}"
         return calls.at(i, ENTERS, why, row)
     return None
 
 
-def _output_near(calls: Calls, i: int) -> bool:
-    """Whether call ``i`` has an output within its tolerance yet off by more than a tenth of it."""
-    return any(calls.rows[j].role == OUTPUT and close_to_line(calls.rows[j]) for j in calls.apis[i].rows)
+def _may_grow(calls: Calls, compared: Sequence[tuple[int, int]], breaching: list[int]) -> list[int]:
+    """The calls rule 3b may name, in order: the breaching ones, and those before the first breach of their step
+    and rank whose output stays within its tolerance but over a tenth of it (under autocast a bfloat16
+    activation 100x off stays within bfloat16's, and only the float32 loss after it breaches)."""
+    apis, rows = calls.apis, calls.rows
+    first: dict[tuple[int | None, int | None], int] = {}
+    for i in breaching:
+        first.setdefault((apis[i].step, apis[i].rank), apis[i].order)
+    near = [
+        i
+        for _, i in compared
+        if not apis[i].output_breach
+        and apis[i].order < first.get((apis[i].step, apis[i].rank), -1)
+        and any(rows[j].role == OUTPUT and close_to_line(rows[j]) for j in apis[i].rows)
+    ]
+    return sorted(breaching + near, key=lambda i: apis[i].order)
 
 
 def _differs(r: RowResult) -> bool:
@@ -304,7 +305,7 @@ def _changed(calls: Calls) -> Divergence | None:
         f"at the start of step {calls.apis[found.api_index].step}, where everything else the step starts with "
         f"matches or differs at least {ALONE:g}x less: {CHANGED_SINCE}, and the error comes in here"
     )
-    return _at_source(calls, found, how)
+    return replace(_at_source(calls, found, how), changed=True)
 
 
 def _at_source(calls: Calls, found: Source, how: str) -> Divergence:
@@ -346,12 +347,14 @@ def _dtype_changed(calls: Calls, i: int) -> int | None:
     baseline's dtype; None otherwise."""
     rows = calls.rows
     out = [j for j in calls.apis[i].rows if rows[j].role == OUTPUT and rows[j].problem == DTYPE]
+    if not out:
+        return None
     same = all(
         _dtype(rows[j].target) == _dtype(rows[j].baseline)
         for j in calls.apis[i].rows
         if rows[j].role != OUTPUT and rows[j].target is not None and rows[j].baseline is not None
     )
-    return out[0] if out and same else None
+    return out[0] if same else None
 
 
 def _dtype(leaf: Leaf | None) -> str | None:

@@ -152,8 +152,10 @@ class Divergence:
     api_index: int
     row_index: int
     overflow: str | None = None  # rule OVERFLOW: one of OVERFLOW_PLACES
-    # rule SOURCE: what the input from outside the recorded calls is (parameter, buffer, data, unrecorded)
+    # rule SOURCE: what the input from outside the recorded calls is (parameter, buffer, data, unrecorded), and
+    # whether it is the one tensor a later step starts with that changed since the step before
     source: str | None = None
+    changed: bool = False
 
 
 @dataclass(frozen=True)

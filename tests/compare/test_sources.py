@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pytest_msprobe import compare
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.report.summary import first_divergence_dict
 
 torch = pytest.importorskip("torch")
@@ -129,7 +130,10 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _fd(target: Path, baseline: Path) -> dict[str, Any]:
-    result = compare(target, baseline)
+    return _summary(compare(target, baseline))
+
+
+def _summary(result: CompareResult) -> dict[str, Any]:
     assert not result.passed
     summary = first_divergence_dict(result)
     assert summary is not None and summary["api"] and summary["row"]  # always a call and a slot
@@ -216,9 +220,10 @@ def test_the_weights_of_a_recurrent_call_are_parameters(tmp_path: Path, clean: d
     assert fd["row"].startswith("VF.lstm.0.forward.input.2.")
 
 
-def test_a_dtype_change_breaches_at_the_call_that_makes_it(tmp_path: Path, clean: dict) -> None:
-    """Under bfloat16 autocast, fc2's output in float16: it agrees with bfloat16's values to bfloat16's
-    tolerance, yet that call is where the run computes otherwise."""
+def test_a_dtype_change_breaches_at_the_call_that_makes_it_at_any_step(tmp_path: Path, clean: dict) -> None:
+    """Under bfloat16 autocast, fc2's output in float16 at every step: it agrees with bfloat16's values to
+    bfloat16's tolerance, yet that call is where the run computes otherwise; at step 1 every weight has drifted,
+    yet no drift changes a dtype."""
 
     def half() -> Any:
         return _on_call("linear", 1, lambda orig, *a, **k: orig(*a, **k).to(torch.float16))
@@ -229,6 +234,10 @@ def test_a_dtype_change_breaches_at_the_call_that_makes_it(tmp_path: Path, clean
     assert fd is not None and (fd.api, fd.rule) == ("Functional.linear.1.forward", "enters"), fd
     row = result.rows[fd.row_index]
     assert row.problem == "dtype" and "dtype differs: torch.float16 vs torch.bfloat16" in row.reason
+    result = compare(target / "step1", clean["mlp-bf16"] / "step1")
+    fd = result.first_divergence
+    assert fd is not None and fd.api == "Functional.linear.1.forward" and fd.row.endswith(".output.0"), fd
+    assert "float16 where the baseline's is torch.bfloat16" in fd.reason
 
 
 def test_a_call_computed_at_a_lower_precision_is_out_of_line_before_its_backward(
@@ -270,7 +279,8 @@ def test_a_weight_changed_between_two_compared_steps_is_a_source_of_the_whole_ru
     ) or (run["kind"], run["api"], run["step"]) == ("parameter", "Functional.linear.1.forward", 1), run
     # step 1 alone: fc2 is the one tensor step 1 starts with that differs (every other weight matches), so it
     # changed since step 0, and its first reader is named: no drift of every weight after an earlier fault
-    alone = _fd(target / "step1", clean["mlp"] / "step1")
+    result = compare(target / "step1", clean["mlp"] / "step1")
+    alone = _summary(result)
     assert (alone["kind"], alone["api"], alone["row"], alone["step"]) == (
         "parameter",
         "Functional.linear.1.forward",
@@ -278,25 +288,9 @@ def test_a_weight_changed_between_two_compared_steps_is_a_source_of_the_whole_ru
         1,
     ), alone
     assert "changed since the step before" in alone["reason"]  # the plain dumps' checklist difference says so
-    result = compare(target / "step1", clean["mlp"] / "step1")
     fd = result.first_divergence
-    assert fd is not None and (fd.rule, fd.source) == ("source", "parameter"), fd
+    assert fd is not None and (fd.rule, fd.source, fd.changed) == ("source", "parameter", True), fd
     assert "changed since the step before" in fd.reason
-
-
-def test_a_dtype_change_at_a_later_step_is_named_at_its_call_whatever_drifts(
-    tmp_path: Path, clean: dict
-) -> None:
-    """fc2 in float16 at every step: at step 1 every weight has drifted, yet no drift changes a dtype."""
-
-    def half() -> Any:
-        return _on_call("linear", 1, lambda orig, *a, **k: orig(*a, **k).to(torch.float16))
-
-    target = _train(tmp_path / "t", "mlp", autocast=True, patch=half)
-    result = compare(target / "step1", clean["mlp-bf16"] / "step1")
-    fd = result.first_divergence
-    assert fd is not None and fd.api == "Functional.linear.1.forward" and fd.row.endswith(".output.0"), fd
-    assert "float16 where the baseline's is torch.bfloat16" in fd.reason
 
 
 def test_a_difference_within_tolerance_that_breaches_later_is_named_where_it_starts(
