@@ -24,15 +24,18 @@ as_tensor = _VF.as_tensor
 cat = _VF.cat
 clone = _VF.clone
 div = _VF.div
+empty = _VF.empty
 narrow = _VF.narrow
 stack = _VF.stack
 sum = _VF.sum
 unbind = _VF.unbind
+view_as_real = _VF.view_as_real
 zeros = _VF.zeros
 vector_norm = torch._C._linalg.linalg_vector_norm  # type: ignore[attr-defined]
 
 # Tensor methods, called as functions of the tensor
 contiguous = _TB.contiguous
+copy = _TB.copy_
 detach = _TB.detach
 reshape = _TB.reshape
 to = _TB.to

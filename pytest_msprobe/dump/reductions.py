@@ -11,6 +11,16 @@ its norm is taken over blocks of ``_BLOCK`` elements, then over the blocks' resu
 within ~3e-7 in float32 at a third of the float64 cost. CUDA takes both in float64 outright. Devices that may
 lack float64 (NPU, MPS) take sums by blocks too.
 
+Bounded memory at any size: a reduction to float64 converts its input first (torch casts before it reduces, on
+the CPU and on CUDA alike), a flattened view of a non-contiguous tensor is a copy, and a complex tensor's
+magnitudes or a float8 tensor's float32 values are a new tensor. A tensor of more than ``PIECE`` elements is
+therefore reduced a piece at a time, each piece a view of at most ``PIECE`` elements (slices of its outer
+dimensions), and the pieces' results combined: the max of their maxima, the min of their minima, the float64
+sum of their sums, the 2-norm of their norms. A piece's values are copied, widened, into one scratch buffer of
+``PIECE`` float64 values (16 MB, kept per device for the next large tensor: fresh allocations of that size
+between small ones leave holes the allocator does not give back), and reduced there: nothing holds more than
+that beside the tensor, on its device or on the host.
+
 The batching of these results, one transfer per step, is :mod:`.stats`'s.
 """
 
@@ -26,11 +36,16 @@ from pytest_msprobe.dump.ops import amax as _amax
 from pytest_msprobe.dump.ops import amin as _amin
 from pytest_msprobe.dump.ops import aminmax as _aminmax
 from pytest_msprobe.dump.ops import cat as _cat
+from pytest_msprobe.dump.ops import copy as _copy
+from pytest_msprobe.dump.ops import empty as _empty
 from pytest_msprobe.dump.ops import narrow as _narrow
 from pytest_msprobe.dump.ops import reshape as _reshape
+from pytest_msprobe.dump.ops import stack as _stack
 from pytest_msprobe.dump.ops import sum as _sum
 from pytest_msprobe.dump.ops import to as _to
 from pytest_msprobe.dump.ops import vector_norm as _vector_norm
+from pytest_msprobe.dump.ops import view as _view
+from pytest_msprobe.dump.ops import view_as_real as _view_as_real
 
 _F32 = torch.float32
 _F64 = torch.float64
@@ -74,6 +89,20 @@ _ONE_PASS = 1 << 19
 _CHUNK = 1 << 16
 _BLOCK = 2048
 _WIDE_SUMS = frozenset({"cpu", "cuda"})  # devices whose sums accumulate in float64
+PIECE = 1 << 21  # larger tensors are reduced a piece of at most this many elements at a time
+
+
+def pieces(t: torch.Tensor, limit: int = PIECE) -> list[torch.Tensor]:
+    """Views of ``t`` of at most ``limit`` elements each that together hold each of its elements once: runs of
+    slices along its outer dimension, and of a slice's own outer dimension where one slice is larger."""
+    if t.numel() <= limit or t.dim() == 0:
+        return [t]
+    size = t.shape[0]
+    inner = t.numel() // size
+    if inner > limit:  # one slice is already too large: each slice in pieces
+        return [p for k in range(size) for p in pieces(t[k], limit)]
+    step = limit // inner
+    return [_narrow(t, 0, at, min(step, size - at)) for at in range(0, size, step)]
 
 
 def _blocks(flat: torch.Tensor, reduce: Callable[..., torch.Tensor], dtype: Any) -> torch.Tensor:
@@ -131,7 +160,61 @@ def _sum_and_norm(t: torch.Tensor) -> tuple[Any, Any]:
 
 
 def numeric(t: torch.Tensor, kind: int) -> tuple[Any, Any, Any, Any]:
-    """Max, min, sum and 2-norm of a non-empty tensor with at least one dimension (no host sync)."""
+    """Max, min, sum and 2-norm of a non-empty tensor with at least one dimension (no host sync), a piece at a
+    time beyond ``PIECE`` elements."""
+    if t.numel() <= PIECE:
+        return _numeric(t, kind)
+    return _by_pieces(t, kind)
+
+
+# scratch buffers for the pieces of large tensors, by device and dtype: taken while in use (a second thread
+# makes its own), kept after, so that a step's large tensors reuse one allocation instead of leaving holes
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _by_pieces(t: torch.Tensor, kind: int) -> tuple[Any, Any, Any, Any]:
+    """:func:`numeric` of a large tensor, its pieces' values widened into one scratch buffer (float64 where
+    sums are, the magnitudes of a complex tensor), their results combined in the dtypes ``_numeric`` gives."""
+    device = t.device
+    like = _numeric(_reshape(t[(0,) * t.dim()], (1,)), kind)  # the dtypes of each result
+    wide = _F64 if device.type in _WIDE_SUMS or kind == K_F64 else _F32
+    key = (device, wide)
+    scratch = _SCRATCH.pop(key, None)
+    if scratch is None:
+        scratch = _empty(PIECE, dtype=wide, device=device)
+    try:
+        maxes, mins, sums, norms = [], [], [], []
+        complex_ = kind == K_COMPLEX
+        # a complex piece's real and imaginary parts fill the first half, its magnitudes the third quarter
+        for piece in pieces(t, PIECE // 4 if complex_ else PIECE):
+            n = piece.numel()
+            values = _view(_narrow(scratch, 0, PIECE // 2 if complex_ else 0, n), piece.shape)
+            if complex_:
+                parts = _view(_narrow(scratch, 0, 0, 2 * n), (*piece.shape, 2))
+                _copy(parts, _view_as_real(piece))
+                _vector_norm(parts, 2, -1, out=values)
+                source = values
+            else:
+                _copy(values, piece)
+                source = values if kind == K_CAST else piece  # float8 and the like lack amax
+            maxes.append(_amax(source))
+            mins.append(_amin(source))
+            # by rows, each summed by one thread: the bits do not depend on torch's thread count
+            flat = _reshape(values, (-1,))
+            sums.append(_chunk_sum(flat, n) if device.type in _WIDE_SUMS else _blocks(flat, _block_sum, None))
+            if like[3] is not None:
+                norms.append(_blocks(flat, _block_norm, None))
+    finally:
+        _SCRATCH[key] = scratch
+    mx = _to(_amax(_stack(maxes)), like[0].dtype)
+    mn = _to(_amin(_stack(mins)), like[1].dtype)
+    total = _to(_sum(_stack(sums)), like[2].dtype)
+    norm = None if like[3] is None else _to(_vector_norm(_stack(norms)), like[3].dtype)
+    return mx, mn, total, norm
+
+
+def _numeric(t: torch.Tensor, kind: int) -> tuple[Any, Any, Any, Any]:
+    """:func:`numeric` of a tensor of at most ``PIECE`` elements."""
     if kind in (K_F32, K_F64):
         # on the CPU, aminmax is one pass but slower per element than amax or amin: two passes win while the
         # tensor fits in the cache, one pass beyond (from 2^19 elements: 1.4 ms instead of 1.9 ms at 2.4M)

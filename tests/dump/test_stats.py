@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from pytest_msprobe.dump.stats import StatEngine, crc32_hex
+
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _stats(t: torch.Tensor, **engine_kwargs: Any) -> dict[str, Any]:
@@ -356,3 +361,60 @@ def test_a_quantized_tensor_gets_the_statistics_of_the_values_it_stands_for() ->
         )
         assert got["Mean"] == pytest.approx(values.mean().item(), rel=1e-12)
         assert got["Norm"] == pytest.approx(values.norm().item(), rel=1e-12)
+
+
+_PEAK_SCRIPT = r"""
+import sys, torch
+from pytest_msprobe.dump.stats import StatEngine
+
+def peak_mb():  # the process's resident high-water mark, reset by clear_refs
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) / 1024
+
+device = sys.argv[1]
+n = 100_000_000
+make = {
+    "float32": lambda: torch.randn(n, device=device),
+    "float32, non-contiguous": lambda: torch.randn(10_000, 10_000, device=device).t(),
+    "bfloat16": lambda: torch.randn(n, device=device).bfloat16(),
+    "int64": lambda: torch.randint(0, 1000, (n,), device=device),
+    "complex64": lambda: torch.randn(n // 2, dtype=torch.complex64, device=device),
+    "float8_e4m3fn": lambda: torch.randn(n, device=device).to(torch.float8_e4m3fn),
+}
+for name, build in make.items():
+    t = build()
+    StatEngine().flush()  # the engine's own first-use allocations are not the tensor's
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    host = peak_mb()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+    engine = StatEngine()
+    item = engine.item(t)
+    engine.flush()
+    added = peak_mb() - host
+    on_device = (torch.cuda.max_memory_allocated() - held) / 2**20 if device == "cuda" else 0.0
+    print(f"{name}|{added:.1f}|{on_device:.1f}|{item['Max']}|{item['Mean']}")
+    del t
+"""
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident high-water mark"
+)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_needs_cuda)])
+def test_the_statistics_of_a_100m_element_tensor_add_at_most_64_mb(device: str) -> None:
+    """A float64 reduction converts its whole input first, a non-contiguous tensor's flat view is a copy: the
+    statistics of a tensor of any size and layout are taken a piece at a time, in a scratch buffer. Measured in
+    a process of its own: the resident high-water mark the statistics add, and the device's peak allocation."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, device], capture_output=True, text=True, timeout=900, check=True
+    )
+    rows = [line.split("|") for line in done.stdout.splitlines()]
+    assert len(rows) == 6, done.stdout + done.stderr
+    for name, host, on_device, mx, mean in rows:
+        assert float(host) <= 64 and float(on_device) <= 64, (name, host, on_device)
+        assert mx != "None" and mean != "None", name
