@@ -218,10 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
         "of line; the target needs own errors: a self_check.json beside each dump.json, or tensor files",
     )
     cmp.add_argument(
+        "--replay",
+        dest="replay",
+        choices=["auto", "all", "none"],
+        default="auto",
+        help="which calls of a tensor dump are replayed in float64 for their own errors (self_check.json files "
+        "are read instead where they exist): auto (default), those beyond a threshold and the calls they read "
+        "(every call across devices and with --self-check); all; none",
+    )
+    cmp.add_argument(
         "--no-replay",
         dest="replay",
-        action="store_false",
-        help="do not replay tensor dumps to find each call's own error (self_check.json files are still read)",
+        action="store_const",
+        const="none",
+        help="the same as --replay=none",
     )
     cmp.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     add_threshold_options(cmp.add_argument)

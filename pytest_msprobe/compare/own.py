@@ -18,12 +18,14 @@ call computes no worse than the reference device does: not out of line.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from pytest_msprobe.compare.overflow import CallView, dump_overflow, entry_views
 from pytest_msprobe.compare.records import read_dump, read_stack
 from pytest_msprobe.compare.result import (
+    ERROR,
+    WARNING,
     ApiResult,
     OwnVerdict,
     SelfCheckCall,
@@ -41,17 +43,38 @@ OwnErrors = dict[str, CallOwn]
 NO_OWN_ERRORS = "the dump was made without the self-check, so its calls have no own errors to judge"
 
 
-def load_own(dump_json: Path, replay: bool) -> OwnErrors | None:
+def load_own(dump_json: Path, replay: bool, only: Collection[str] | None = None) -> OwnErrors | None:
     """The own errors of one dump.json: its sidecar, else (``replay``) a float64 replay of its tensor
-    files; None when there are none (a statistics dump without a sidecar, or torch is not installed)."""
+    files, of the calls named in ``only`` where given (every call otherwise); None when there are none (a
+    statistics dump without a sidecar, or torch is not installed)."""
     found = read_own_errors(dump_json)
     if found is not None or not replay:
         return found
+    if only is not None and not only:  # nothing to replay: no torch to import
+        return {}
     try:
         from pytest_msprobe.replay.offline import replay_dump  # needs torch: only for a tensor dump
     except ImportError:
         return None
-    return {c.name: CallOwn(c.outputs, c.skipped, c.emulated) for c in replay_dump(dump_json).calls}
+    return {c.name: CallOwn(c.outputs, c.skipped, c.emulated) for c in replay_dump(dump_json, only).calls}
+
+
+def replay_wanted(
+    apis: Sequence[ApiResult], feeds: Mapping[int, Sequence[int]], pairs: int
+) -> tuple[list[set[str]], list[set[str]]]:
+    """The calls whose own errors can change a same-device compare's verdict, by dump pair, as the target's and
+    the baseline's record names: those beyond a threshold (an error or a warning) and the calls whose outputs
+    they read (the first divergence asks whether the error came in with an input, or at the call)."""
+    chosen = {i for i, api in enumerate(apis) if api.status in (ERROR, WARNING)}
+    chosen |= {j for i in list(chosen) for j in feeds.get(i, ())}
+    target: list[set[str]] = [set() for _ in range(pairs)]
+    baseline: list[set[str]] = [set() for _ in range(pairs)]
+    for i in chosen:
+        api = apis[i]
+        target[api.pair].add(api.api)
+        if api.bench_api:
+            baseline[api.pair].add(api.bench_api)
+    return target, baseline
 
 
 def verdict(

@@ -34,7 +34,7 @@ from pytest_msprobe.compare.explain import (
 from pytest_msprobe.compare.modules import place_calls
 from pytest_msprobe.compare.optimizer import plan_updates
 from pytest_msprobe.compare.overflow import compare_overflow
-from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts
+from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts, replay_wanted
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
 from pytest_msprobe.compare.records import OUTPUT, Dump, read_dump, read_stack
 from pytest_msprobe.compare.result import (
@@ -58,6 +58,7 @@ from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.format.own_errors import SELF_CHECK_JSON
 
 MODES = ("auto", "statistics", "tensor", "md5")
+REPLAYS = ("auto", "all", "none")  # which calls of a tensor dump are replayed for their own errors
 
 
 def compare(
@@ -70,7 +71,7 @@ def compare(
     jobs: int | None = None,
     stack: bool = False,
     self_check: bool = False,
-    replay: bool = True,
+    replay: bool | str = "auto",
     steps: Sequence[int] | None = None,
 ) -> CompareResult:
     """Compare a target dump with a baseline dump.
@@ -86,6 +87,9 @@ def compare(
     Own errors (each call's output against the float64 replay of its own inputs, see
     :mod:`pytest_msprobe.compare.own`) are read from each dump's ``self_check.json``, or, in tensor mode with
     ``replay``, computed by replaying the dumps' tensors; the first divergence uses them where they exist.
+    ``replay`` is ``"auto"`` (True): the calls whose own errors can change the verdict, those beyond a threshold
+    and the calls they read (every call across devices or with ``self_check``, where each call's own error is
+    judged); ``"all"``: every call; ``"none"`` (False): no replay.
     With ``self_check`` an out-of-line call fails the compare, and a target dump without own errors raises
     DumpFormatError: the check asked for could not be made.
 
@@ -107,6 +111,10 @@ def compare(
     """
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if isinstance(replay, bool):
+        replay = "auto" if replay else "none"
+    if replay not in REPLAYS:
+        raise ConfigError(f"replay must be one of {', '.join(REPLAYS)}, got {replay!r}")
     jobs = default_jobs() if jobs is None else jobs
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ConfigError(f"jobs must be a whole number >= 1, got {jobs!r}")
@@ -139,19 +147,24 @@ def compare(
     if overflow is not None:
         mark_overflow(apis, rows, overflow)
     coverage = measure_coverage(rows, apis, builder.pairs, thresholds.max_unmatched)
-    tensors = replay and builder.mode == "tensor"
-    t_own = [load_own(t_loc.path, tensors) for t_loc, _ in pairs]
+    tensors = replay != "none" and builder.mode == "tensor"
+    why = checklist.cross_device()
+    # (every call's own error is judged across devices and by the self-check: all of them are replayed)
+    t_only: list[set[str] | None] = [None] * len(pairs)
+    b_only: list[set[str] | None] = [None] * len(pairs)
+    if tensors and replay == "auto" and why is None and not self_check:
+        t_only[:], b_only[:] = replay_wanted(apis, feeds, len(pairs))
+    t_own = [load_own(t_loc.path, tensors, only) for (t_loc, _), only in zip(pairs, t_only)]
     if self_check:
         for (t_loc, _), own_of in zip(pairs, t_own):
             if own_of is None:
                 raise DumpFormatError(t_loc.path, f"no {SELF_CHECK_JSON} beside it: {NO_OWN_ERRORS}")
     b_own = [
-        load_own(b_loc.path, tensors) if found is not None else None
-        for (_, b_loc), found in zip(pairs, t_own)
+        load_own(b_loc.path, tensors, only) if found is not None else None
+        for (_, b_loc), found, only in zip(pairs, t_own, b_only)
     ]
     own = own_verdicts(apis, t_own, b_own, thresholds)
     noise, relations = noise_rows(rows, thresholds), relation_breaks(apis, rows)
-    why = checklist.cross_device()
     across = None
     if why is not None:  # values that drift fail nothing: own errors and evidence judge
         across = judge_across(why, apis, rows, feeds, peers, builder.opaque, noise, own, relations, overflow)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,8 +151,9 @@ def judge_forward(
     return tuple(judge_output(n, want, got) for n, want, got in zip(recorded, expected, produced)), ""
 
 
-def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:
-    """Replay every API call of a dump, forward and backward (a dump root, step or rank folder, or a dump.json)."""
+def replay_dump(path: str | os.PathLike[str], only: Collection[str] | None = None) -> ReplayResult:
+    """Replay every API call of a dump, forward and backward (a dump root, step or rank folder, or a dump.json);
+    with ``only``, the calls of those record names alone."""
     calls: list[CallReplay] = []
     declared: list[Declared] = []
     for location in discover(Path(path)):
@@ -164,6 +166,8 @@ def replay_dump(path: str | os.PathLike[str]) -> ReplayResult:
         policy = checklist_policy(checklist) if checklist is not None else None
         declared.append(Declared(location.step, location.rank, policy))
         for name, entry in data.items():
+            if only is not None and name not in only:
+                continue
             parts = parse_name(name)
             if parts.direction not in (FORWARD, BACKWARD) or name.startswith("Module."):
                 continue

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -130,6 +132,33 @@ def test_without_replay_the_old_rules_stand() -> None:
     npu, bench = dump_dir("26.2.0", "npu", "tensor_L1", 0), dump_dir("26.2.0", "bench", "tensor_L1", 0)
     result = compare(npu, bench, replay=False)
     assert result.own == {} and result.first_divergence.rule == "enters"  # type: ignore[union-attr]
+
+
+def test_the_replay_runs_for_the_calls_that_can_change_the_verdict_unless_all_are_asked_for() -> None:
+    """By default a same-device compare replays the calls beyond a threshold and the calls they read; the
+    verdict is the one a replay of every call gives. ``replay="all"`` replays every call, ``"none"`` none."""
+    npu, bench = dump_dir("26.2.0", "npu", "tensor_L1", 0), dump_dir("26.2.0", "bench", "tensor_L1", 0)
+    auto, everything = compare(npu, bench), compare(npu, bench, replay="all")
+    flagged = {i for i, api in enumerate(auto.apis) if api.status in ("error", "warning")}
+    assert flagged and flagged <= set(auto.own) < set(everything.own)
+    assert all(auto.own[i] == everything.own[i] for i in auto.own)
+    assert auto.first_divergence == everything.first_divergence and auto.passed == everything.passed
+    assert compare(npu, bench, replay="none").own == {}
+    with pytest.raises(ConfigError, match="replay must be one of auto, all, none"):
+        compare(npu, bench, replay="some")
+
+
+def test_a_tensor_compare_with_nothing_beyond_a_threshold_never_imports_torch(tmp_path: Path) -> None:
+    """The replay (and torch's import, most of a large compare's time and memory) is for the calls that breach."""
+    bench = dump_dir("26.2.0", "bench", "tensor_L1", 0)
+    shutil.copytree(bench, tmp_path / "again")
+    script = (
+        "import sys; from pytest_msprobe import compare; "
+        f"r = compare({str(tmp_path / 'again')!r}, {str(bench)!r}); "
+        "print(r.passed, r.mode, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True", "tensor", "False"], done.stdout + done.stderr
 
 
 def _with_sidecars(src: Path, dest: Path, tensors: Path) -> Path:
