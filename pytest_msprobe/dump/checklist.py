@@ -128,11 +128,50 @@ def fingerprints(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[st
     return untracked(_fingerprints, named)
 
 
+# device tensors go to the host in batches of up to this many bytes: one transfer (and host synchronisation) a
+# batch, not one a tensor, and at most this much device memory beside them
+_BATCH = 64 << 20
+
+
+def on_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` on the host, in order: CPU tensors as they are, the others copied over a batch at a time (their
+    bytes concatenated on their device, moved in one transfer, and viewed back as each tensor)."""
+    out: list[torch.Tensor | None] = [t if t.device.type == "cpu" else None for t in tensors]
+    batch: list[int] = []
+    size = 0
+
+    def move() -> None:
+        # the widest dtypes first: every tensor's bytes then start at a multiple of its element size
+        order = sorted(batch, key=lambda k: -tensors[k].element_size())
+        parts = [tensors[k].contiguous().reshape(-1).view(torch.uint8) for k in order]
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu()
+        at = 0
+        for k in order:
+            t = tensors[k]
+            n = t.numel() * t.element_size()
+            out[k] = host[at : at + n].view(t.dtype).view(t.shape)
+            at += n
+
+    for k, t in enumerate(tensors):
+        if out[k] is not None:
+            continue
+        n = t.numel() * t.element_size()
+        if batch and (t.device != tensors[batch[0]].device or size + n > _BATCH):
+            move()
+            batch, size = [], 0
+        batch.append(k)
+        size += n
+    if batch:
+        move()
+    return [t for t in out if t is not None]
+
+
 def _fingerprints(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
     docs: dict[str, dict[str, Any]] = {}
     floats: dict[tuple[torch.dtype, int], list[tuple[dict[str, Any], torch.Tensor]]] = {}
     large: list[tuple[dict[str, Any], torch.Tensor]] = []
     ints: list[tuple[dict[str, Any], torch.Tensor]] = []
+    plain: list[tuple[dict[str, Any], torch.Tensor]] = []
     for name, tensor in named:
         t = tensor.detach()
         doc: dict[str, Any] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
@@ -140,7 +179,8 @@ def _fingerprints(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[s
         if t.is_quantized or t.is_sparse or t.layout != torch.strided:
             doc["crc32"] = None
             continue
-        host = t.to("cpu") if t.device.type != "cpu" else t
+        plain.append((doc, t))
+    for (doc, _), host in zip(plain, on_host([t for _, t in plain])):
         doc["crc32"] = tensor_crc32(host)
         n = host.numel()
         if not n or host.is_complex():
