@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from pytest_msprobe.dump import determinism, precision
-from pytest_msprobe.dump.stats import crc32_hex as tensor_crc32
+from pytest_msprobe.dump.checksums import crc32_hex as tensor_crc32
 from pytest_msprobe.dump.threads import untracked
 from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, TAKEN_AT_START, encode_number
 from pytest_msprobe.format.precision import Policy, policy_from_switches

@@ -27,21 +27,21 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from pytest_msprobe.dump.checksums import crc32_hex
+from pytest_msprobe.dump.checksums import crc_pool as _crc_pool
 from pytest_msprobe.dump.ops import aminmax as _aminmax
 from pytest_msprobe.dump.ops import as_tensor as _as_tensor
 from pytest_msprobe.dump.ops import cat as _cat
 from pytest_msprobe.dump.ops import clone as _clone
-from pytest_msprobe.dump.ops import contiguous as _contiguous
 from pytest_msprobe.dump.ops import detach as _detach
 from pytest_msprobe.dump.ops import div as _div
 from pytest_msprobe.dump.ops import reshape as _reshape
 from pytest_msprobe.dump.ops import stack as _stack
-from pytest_msprobe.dump.ops import view as _view_dtype
 from pytest_msprobe.dump.ops import zeros as _zeros
 from pytest_msprobe.dump.reductions import (
     K_BOOL,
@@ -56,7 +56,6 @@ from pytest_msprobe.dump.reductions import (
     numeric,
     numeric_rows,
 )
-from pytest_msprobe.format.crc import crc32_hex as _crc_hex
 
 _weakref = weakref.ref
 _Tensor = torch.Tensor
@@ -162,36 +161,6 @@ class _Group:
 _Ref = tuple[_Group, int] | None
 
 
-def crc32_hex(t: torch.Tensor) -> str:
-    """CRC32 of a CPU tensor's bytes in row-major order, as 8 hex digits (msprobe's "md5" field)."""
-    data = _contiguous(_detach(t))
-    if data.is_conj():
-        data = data.resolve_conj()
-    if data.is_neg():
-        data = data.resolve_neg()
-    if data.numel() == 0:
-        return _crc_hex(b"")
-    raw = _view_dtype(_reshape(data, (-1,)), torch.uint8)
-    return _crc_hex(raw.numpy())
-
-
-def _crc_of_copy(copy: torch.Tensor) -> str:
-    return crc32_hex(copy if copy.device.type == "cpu" else copy.cpu())
-
-
-_CRC_POOL: ThreadPoolExecutor | None = None
-
-
-def _crc_pool(worker_init: Callable[[], None] | None) -> ThreadPoolExecutor:
-    """One worker thread per process for CRC32s: they run beside training on private copies."""
-    global _CRC_POOL
-    if _CRC_POOL is None:
-        _CRC_POOL = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pytest-msprobe-crc", initializer=worker_init
-        )
-    return _CRC_POOL
-
-
 class StatEngine:
     """Builds tensor items for one step and resolves their statistics at :meth:`flush`.
 
@@ -268,7 +237,7 @@ class StatEngine:
                     except RuntimeError:  # no plain bytes to hash (a quantized dtype, say): no CRC
                         crc = None
                 elif snap is not None:
-                    crc = _crc_pool(self.worker_init).submit(_crc_of_copy, snap)
+                    crc = _crc_pool(self.worker_init).submit(crc32_hex, snap)
             if remember and self._cache_size:
                 cache = self._cache
                 if len(cache) >= self._cache_size:

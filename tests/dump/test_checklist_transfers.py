@@ -33,8 +33,10 @@ def _tensors() -> list[torch.Tensor]:
 
 
 @contextmanager
-def _elsewhere(counted: list[int]) -> Iterator[None]:
-    """CPU tensors that report another device, with their moves to the host counted."""
+def _elsewhere(tensors: list[torch.Tensor], counted: list[int]) -> Iterator[None]:
+    """``tensors``, CPU tensors, report another device (and so do their detached aliases), with the moves of any
+    tensor to the host counted."""
+    ids = {t.data_ptr() for t in tensors if t.numel()}
     cpu = torch.Tensor.cpu
 
     def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -42,7 +44,13 @@ def _elsewhere(counted: list[int]) -> Iterator[None]:
         return cpu(self, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.Tensor, "device", property(lambda self: torch.device("meta")))
+        device = torch.Tensor.device
+
+        def where(self: torch.Tensor) -> torch.device:
+            elsewhere = self.numel() and self.data_ptr() in ids and self.untyped_storage().nbytes() > 0
+            return torch.device("meta") if elsewhere else device.__get__(self)  # type: ignore[attr-defined]
+
+        mp.setattr(torch.Tensor, "device", property(where))
         mp.setattr(torch.Tensor, "cpu", counting)
         yield
 
@@ -52,12 +60,12 @@ def test_device_tensors_reach_the_host_in_one_transfer_a_batch(monkeypatch: pyte
     named = [(f"t{k}", t) for k, t in enumerate(tensors)]
     expected = checklist.fingerprints(named)
     moves: list[int] = []
-    with _elsewhere(moves):
+    with _elsewhere(tensors, moves):
         got = checklist.fingerprints(named)
     assert got == expected and len(moves) == 1  # every tensor's bytes in one transfer
     monkeypatch.setattr(checklist, "_BATCH", 4096)
     moves.clear()
-    with _elsewhere(moves):
+    with _elsewhere(tensors, moves):
         assert checklist.fingerprints(named) == expected
     # batches of at most 4 KiB, filled before the next begins: every byte moved once, in a few transfers
     assert sum(moves) == sum(t.numel() * t.element_size() for t in tensors)

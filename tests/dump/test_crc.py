@@ -26,3 +26,13 @@ def test_the_checksum_is_zlib_s_for_every_kind_of_buffer() -> None:
 def test_zlib_ng_is_used_where_it_is_installed() -> None:
     # a dependency of the plugin: the fast path is the one the test environment runs
     assert crc.FAST
+
+
+def test_a_large_non_contiguous_tensors_crc_is_of_its_row_major_bytes_taken_a_piece_at_a_time() -> None:
+    from pytest_msprobe.dump.checksums import crc32_hex
+    from pytest_msprobe.dump.reductions import PIECE, pieces
+
+    t = torch.randn(3000, 1500, generator=torch.Generator().manual_seed(2)).t()  # 4.5M elements, transposed
+    assert len(pieces(t)) > 1 and max(p.numel() for p in pieces(t)) <= PIECE
+    assert crc32_hex(t) == f"{zlib.crc32(t.contiguous().numpy().tobytes()):08x}"
+    assert crc32_hex(t[::2]) == f"{zlib.crc32(t[::2].contiguous().numpy().tobytes()):08x}"
