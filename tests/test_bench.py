@@ -208,3 +208,21 @@ def test_device_check_summary_tells_whether_each_fault_is_named_where_it_was_mad
     )
     assert "| tr-op | exit 1 | 8 |" in run.stdout  # the stage table
     assert "no result (see cuda-tests.log)" in run.stdout  # a stage that left nothing
+
+
+def test_launch_count_reports_the_dumps_operators_per_recorded_tensor(tmp_path: Path) -> None:
+    out = tmp_path / "launches.json"
+    script = str(ROOT / "bench" / "launch_count.py")
+    run = subprocess.run(
+        [sys.executable, script, "--models", "tiny", "--tasks", "statistics", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr
+    (row,) = json.loads(out.read_text())
+    # TinyResNet's step records 326 tensors; the dump's own operators: a copy of each small tensor, the flush's
+    # reductions (counted on whichever thread runs them), no item()
+    assert row["tensors"] > 300 and row["syncs"] == 0
+    assert row["top"]["clone"] > 200 and "amax" in row["top"] and "stack" in row["top"]
+    assert row["per_tensor"] == round(row["launches"] / row["tensors"], 2) and "| TinyResNet w8" in run.stdout
