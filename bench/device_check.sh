@@ -4,7 +4,8 @@
 #   1. env         the python, torch, the GPU (nvidia-smi, torch.cuda)
 #   1b. tf32-rounding  which rounding the device's TF32 matmuls and convolutions do (bench/tf32_rounding.py): the
 #                  self-check's emulation of a declared TF32 policy rounds to nearest, ties to even
-#   2. cuda-tests  the tests that are skipped without CUDA (pytest -k cuda over the files that check for it)
+#   2. cuda-tests  the tests that are skipped without CUDA (pytest -k cuda over the files that check for it:
+#                  devices, ranks, the statistics' peak memory, the checklist's transfers, host asks)
 #   3. regen       the ResNet50 example's baseline written on the GPU: examples/resnet50/baselines/cuda
 #   4. compare     a CUDA run of the example compared with the CPU baseline shipped with it, with the fixture's
 #                  default (float32 math in float32: TF32 off) and with TF32 on (torch.backends.cuda.matmul and
@@ -15,6 +16,7 @@
 #                  and with the same three faults; each fault's firings logged beside the compare's verdict
 #   6. bench       dump overhead on CUDA (bench/dump_overhead.py --device cuda) and the host synchronisations
 #                  per dumped step (--count-syncs: CUDA's GPU trace, see SyncCounter in the bench)
+#   6b. launches   the operators a dumped step launches per recorded tensor (bench/launch_count.py)
 #   7. compare     (again) a second CUDA run against the new CUDA baseline, without and with TF32: the device
 #                  against itself, late as the less needed when time runs short
 #   8. breakdown   where a dumped resnet50 step's time goes on the device (bench/dump_overhead.py --breakdown)
@@ -157,7 +159,8 @@ run_stage tf32-rounding 30 "$PY" bench/tf32_rounding.py --json "$OUTDIR/tf32_rou
 # (they check torch.cuda.is_available(): tests/test_device.py, tests/dump/test_devices.py,
 # tests/dump/test_distributed.py; -k cuda selects their CUDA cases)
 run_stage cuda-tests 120 "${PYTEST[@]}" -rs -q -k cuda --junitxml="$OUTDIR/cuda-tests.xml" \
-    tests/test_device.py tests/dump/test_devices.py tests/dump/test_distributed.py
+    tests/test_device.py tests/dump/test_devices.py tests/dump/test_distributed.py tests/dump/test_stats.py \
+    tests/dump/test_checklist_transfers.py tests/dump/test_host_syncs.py
 
 # -- 3. the ResNet50 example's baseline, written on the device -------------------------------------------------
 EXAMPLE=(examples/resnet50 -q -rs --msprobe-device="$DEVICE")
@@ -237,6 +240,9 @@ run_stage bench 150 "$PY" bench/dump_overhead.py --device "$DEVICE" "${BENCH_SIZ
     --configs statistics_L1 md5_L1 tensor_L1 --count-syncs --write-repeats 1 --json "$OUTDIR/bench.json"
 run_stage bench-mix 45 "$PY" bench/dump_overhead.py --device "$DEVICE" --quick --models large --no-msprobe \
     --configs statistics_mix --count-syncs --json "$OUTDIR/bench-mix.json"
+# the operators (kernel launches) a dumped step adds per recorded tensor
+run_stage launches 45 "$PY" bench/launch_count.py --device "$DEVICE" --models tiny large --tasks statistics \
+    --json "$OUTDIR/launches.json"
 
 # -- 7. the device against itself: the new baseline, a second run, with and without TF32 -----------------------
 compare vs-own-baseline "$BASELINE_OUT"

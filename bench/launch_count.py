@@ -119,10 +119,10 @@ def tensor_items(value: Any) -> int:
     return 0
 
 
-def measure(model: str, task: str) -> dict[str, Any]:
+def measure(model: str, task: str, device: str = "cpu") -> dict[str, Any]:
     from pytest_msprobe import PrecisionDebugger
 
-    loop = make_loop(model_specs()[model], 6, torch.device("cpu"))
+    loop = make_loop(model_specs()[model], 6, torch.device(device))
     with tempfile.TemporaryDirectory() as scratch:
         debugger = PrecisionDebugger(dump_path=scratch, task=task, level="L1", step=[3])
         for step in range(3):
@@ -162,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         "--models", nargs="+", default=["tiny", "large", "resnet50"], choices=list(model_specs())
     )
     parser.add_argument("--tasks", nargs="+", default=["statistics", "md5"], choices=["statistics", "md5"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--top", type=int, default=6, help="operators listed per row")
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    results = [measure(m, t) for m in args.models for t in args.tasks]
+    results = [measure(m, t, args.device) for m in args.models for t in args.tasks]
     print("| model | task | recorded tensors | launches | per tensor | item() | most launched |")
     print("|---|---|---|---|---|---|---|")
     for r in results:

@@ -39,16 +39,18 @@ def _count(monkeypatch: pytest.MonkeyPatch, counted: Counter[str]) -> None:
 
 
 def _asks_of_a_dumped_step(
-    tmp_path: Path, layers: int, task: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, layers: int, task: str, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> Counter[str]:
     torch.manual_seed(0)
     blocks = [
         m for _ in range(layers) for m in (torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.ReLU())
     ]
-    model = torch.nn.Sequential(*blocks, torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(32, 4)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = torch.randn(8, 32), torch.randint(0, 4, (8,))
-    debugger = PrecisionDebugger(dump_path=tmp_path / f"{task}{layers}", task=task, level="L1", step=[1])
+    x, y = torch.randn(8, 32, device=device), torch.randint(0, 4, (8,), device=device)
+    debugger = PrecisionDebugger(
+        dump_path=tmp_path / f"{task}{layers}{device}", task=task, level="L1", step=[1]
+    )
     counted: Counter[str] = Counter()
     for step in range(2):
         if step == 1:
@@ -62,15 +64,22 @@ def _asks_of_a_dumped_step(
         debugger.step()
     debugger.close()
     monkeypatch.undo()
-    assert list((tmp_path / f"{task}{layers}").rglob("dump.json")), "the step was dumped"
+    assert list((tmp_path / f"{task}{layers}{device}").rglob("dump.json")), "the step was dumped"
     return counted
 
 
 @pytest.mark.parametrize("task", ["statistics", "md5"])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
 def test_a_dumped_step_asks_for_no_tensors_values_one_tensor_at_a_time(
-    tmp_path: Path, task: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, task: str, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    small = _asks_of_a_dumped_step(tmp_path, 3, task, monkeypatch)
-    large = _asks_of_a_dumped_step(tmp_path, 12, task, monkeypatch)
+    small = _asks_of_a_dumped_step(tmp_path, 3, task, device, monkeypatch)
+    large = _asks_of_a_dumped_step(tmp_path, 12, task, device, monkeypatch)
     # 12 layers record four times the tensors of 3 (about 300 more): the asks are the step's, not the tensors'
     assert large == small and sum(large.values()) <= 8, (small, large)
