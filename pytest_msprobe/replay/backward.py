@@ -36,6 +36,9 @@ from pytest_msprobe.replay.values import (
 )
 
 OwnErrors = tuple[OwnError | None, ...]
+_OTHER_NODE = (
+    "the replay's node gives"  # the start of the reason when the replay's node is another than the dump's
+)
 
 
 def replay_backward(
@@ -84,7 +87,28 @@ def _replay_backward(
     if why:
         return (), why, ""
     own, why = judge_backward(out, incoming, recorded, dumped, emulating)
+    if why.startswith(_OTHER_NODE) and args and _strided(args[0]) is not None:
+        # which node a call's output gets can hang on its input's layout, which the tensor files do not keep: a
+        # 3-D linear of a contiguous input is a view of addmm (one gradient), of a transposed one matmul and an
+        # in-place add of the bias (two). The dump's count of gradients tells which; the same values, laid out
+        # the other way, give the other node
+        args[0] = _strided(args[0])
+        out, again = run_call(target, args, kwargs, True, emulating)
+        if not again:
+            retried, again = judge_backward(out, incoming, recorded, dumped, emulating)
+            if not again:
+                own, why = retried, ""
     return own, why, emulating.label if emulating is not None and not why else ""
+
+
+def _strided(t: Any) -> torch.Tensor | None:
+    """A leaf with ``t``'s values, not contiguous (its last two dimensions' strides swapped); None where ``t``
+    is not a tensor of at least two dimensions of more than one element each, or is laid out so already."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2 or min(t.shape[-2:]) < 2 or not t.is_contiguous():
+        return None
+    with torch.no_grad():
+        other = t.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
+    return other.requires_grad_(t.requires_grad)
 
 
 def run_call(
@@ -145,7 +169,7 @@ def node_gradients(
         return [], raised("the replay's backward", exc)
     given = list(given) if isinstance(given, tuple) else [given]
     if len(given) != expected:
-        return [], f"the replay's node gives {len(given)} gradient(s), the dump {expected}"
+        return [], f"{_OTHER_NODE} {len(given)} gradient(s), the dump {expected}"
     return given, ""
 
 

@@ -117,6 +117,32 @@ def test_backward_replay_names_a_gradient_that_is_off(
     assert [c.name for c in result.out_of_line] == ["Functional.relu.0.backward"]
 
 
+def _sequence_dump(root: Path) -> Path:
+    """A tensor dump of a linear over a transposed (non-contiguous) 3-D input, as a sequence model's head reads
+    its recurrent layer's output: torch computes it as a matmul and an in-place add of the bias, whose node gives
+    two gradients, where a contiguous input gives addmm's view (one)."""
+    seed_all(5)
+    layer = torch.nn.Linear(8, 6)
+    debugger = PrecisionDebugger(task="tensor", dump_path=str(root), level="L1", step=[0])
+    x = torch.randn(4, 3, 8, requires_grad=True)
+    debugger.start()
+    h = x.transpose(0, 1)  # (3, 4, 8), not contiguous
+    torch.nn.functional.linear(h, layer.weight, layer.bias).square().sum().backward()
+    debugger.stop()
+    debugger.step()
+    debugger.close()
+    return root
+
+
+def test_a_linears_backward_is_replayed_whatever_its_inputs_layout(tmp_path: Path) -> None:
+    """The tensor files keep no layout: the replay lays the input out the other way when the dump's node gives
+    another number of gradients than the replay's first node."""
+    calls = {c.name: c for c in replay_dump(_sequence_dump(tmp_path / "clean")).calls}
+    backward = calls["Functional.linear.0.backward"]
+    assert not backward.skipped and len(backward.outputs) == 2 and not backward.out_of_line, backward
+    assert all(o is not None for o in backward.outputs)
+
+
 def test_the_cli_passes_a_clean_dump(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dump = _dump(tmp_path / "dump")
     assert main(["replay", str(dump), "-o", str(tmp_path / "out"), "-q"]) == 0
