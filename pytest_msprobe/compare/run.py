@@ -150,10 +150,10 @@ def compare(
     tensors = replay != "none" and builder.mode == "tensor"
     why = checklist.cross_device()
     # (every call's own error is judged across devices and by the self-check: all of them are replayed)
-    t_only: list[set[str] | None] = [None] * len(pairs)
-    b_only: list[set[str] | None] = [None] * len(pairs)
+    t_only: Sequence[set[str] | None] = [None] * len(pairs)
+    b_only: Sequence[set[str] | None] = [None] * len(pairs)
     if tensors and replay == "auto" and why is None and not self_check:
-        t_only[:], b_only[:] = replay_wanted(apis, feeds, len(pairs))
+        t_only, b_only = replay_wanted(apis, feeds, len(pairs))
     t_own = [load_own(t_loc.path, tensors, only) for (t_loc, _), only in zip(pairs, t_only)]
     if self_check:
         for (t_loc, _), own_of in zip(pairs, t_own):

@@ -36,9 +36,8 @@ from pytest_msprobe.replay.values import (
 )
 
 OwnErrors = tuple[OwnError | None, ...]
-_OTHER_NODE = (
-    "the replay's node gives"  # the start of the reason when the replay's node is another than the dump's
-)
+# the start of the reason when the replay's node is another than the dump's
+_OTHER_NODE = "the replay's node gives"
 
 
 def replay_backward(
@@ -87,12 +86,13 @@ def _replay_backward(
     if why:
         return (), why, ""
     own, why = judge_backward(out, incoming, recorded, dumped, emulating)
-    if why.startswith(_OTHER_NODE) and args and _strided(args[0]) is not None:
-        # which node a call's output gets can hang on its input's layout, which the tensor files do not keep: a
-        # 3-D linear of a contiguous input is a view of addmm (one gradient), of a transposed one matmul and an
-        # in-place add of the bias (two). The dump's count of gradients tells which; the same values, laid out
-        # the other way, give the other node
-        args[0] = _strided(args[0])
+    # which node a call's output gets can hang on its input's layout, which the tensor files do not keep: a 3-D
+    # linear of a contiguous input is a view of addmm (one gradient), of a transposed one matmul and an in-place
+    # add of the bias (two). The dump's count of gradients tells which; the same values, laid out the other
+    # way, give the other node
+    other = _strided(args[0]) if why.startswith(_OTHER_NODE) and args else None
+    if other is not None:
+        args[0] = other
         out, again = run_call(target, args, kwargs, True, emulating)
         if not again:
             retried, again = judge_backward(out, incoming, recorded, dumped, emulating)

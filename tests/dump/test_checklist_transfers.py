@@ -36,7 +36,7 @@ def _tensors() -> list[torch.Tensor]:
 def _elsewhere(tensors: list[torch.Tensor], counted: list[int]) -> Iterator[None]:
     """``tensors``, CPU tensors, report another device (and so do their detached aliases), with the moves of any
     tensor to the host counted."""
-    ids = {t.data_ptr() for t in tensors if t.numel()}
+    pointers = {t.data_ptr() for t in tensors if t.numel()}
     cpu = torch.Tensor.cpu
 
     def counting(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -47,7 +47,7 @@ def _elsewhere(tensors: list[torch.Tensor], counted: list[int]) -> Iterator[None
         device = torch.Tensor.device
 
         def where(self: torch.Tensor) -> torch.device:
-            elsewhere = self.numel() and self.data_ptr() in ids and self.untyped_storage().nbytes() > 0
+            elsewhere = self.numel() and self.data_ptr() in pointers
             return torch.device("meta") if elsewhere else device.__get__(self)  # type: ignore[attr-defined]
 
         mp.setattr(torch.Tensor, "device", property(where))
