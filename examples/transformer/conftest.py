@@ -1,5 +1,6 @@
-"""CPU kernels pinned, so that the baseline shipped with the example reproduces on any x86-64 CPU: the vector
-width of torch's kernels and MKL's code path by processor, and the number of threads (how reductions are split).
+"""CPU kernels pinned, so that a run on any x86-64 CPU matches the example's baseline within the thresholds:
+the vector width of torch's kernels and MKL's code path by processor, and the number of threads (how reductions
+are split).
 The reasons and the measurements are in ``examples/resnet50/conftest.py``; nothing here touches a GPU's kernels.
 """
 
