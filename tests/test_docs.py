@@ -85,3 +85,14 @@ def test_the_readme_stays_short() -> None:
     """The README is the front page; the guide is in docs/."""
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines <= 330, f"README.md has {lines} lines: move detail into docs/"
+
+
+def test_getting_started_shows_the_readme_set_up_commands() -> None:
+    """Both front doors give the same two commands (CI runs the second), and the CPU-only torch line."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    guide = (DOCS / "getting-started.md").read_text(encoding="utf-8")
+    commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv .venv")]
+    assert len(commands) == 3, commands  # the example, the tests, torch's CPU build
+    assert any("download.pytorch.org/whl/cpu" in line for line in commands)
+    for command in commands:
+        assert command in guide, f"docs/getting-started.md lacks the README's command: {command}"
