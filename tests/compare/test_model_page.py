@@ -229,3 +229,32 @@ def test_a_late_first_divergence_keeps_its_label_inside(l1: CompareResult) -> No
         assert box.x0 >= axes.x0 and box.x1 <= axes.x1
     finally:
         plt.close(fig)
+
+
+@pytest.mark.parametrize("first", [3, 20, 38])
+def test_the_trend_plots_label_covers_no_point(monkeypatch: pytest.MonkeyPatch, first: int) -> None:
+    """Both panels of the trend plot label the first divergent step above their axes, clear of the curves."""
+    pytest.importorskip("matplotlib")
+    import pytest_msprobe.report.html as report_html
+    from pytest_msprobe.compare.trend import compare_trend
+    from pytest_msprobe.format.trendfile import TrendData, TrendStep
+
+    def trend(loss: list[float]) -> TrendData:
+        return TrendData(
+            "float32", ("fc",), tuple(TrendStep(i, v, v / 2, (v / 4,)) for i, v in enumerate(loss))
+        )
+
+    curve = [2.3 - 0.05 * i for i in range(40)]
+    drifted = [v * (1.05 if i >= first else 1.0) for i, v in enumerate(curve)]
+    result = compare_trend(trend(drifted), trend(curve), 40)
+    assert result.first_step == first
+    checked: list[Any] = []
+
+    def png(fig: Any) -> bytes:  # the figure, checked before it is saved and closed
+        _label_covers_no_point(fig)
+        checked.append(fig)
+        return b""
+
+    monkeypatch.setattr(report_html, "_png", png)
+    report_html.trend_plot_png(result)
+    assert len(checked) == 1 and len(checked[0].axes) == 2
