@@ -158,11 +158,7 @@ class Collectives(StepRecords):
         entry = self.data.get(pending.name)
         if entry is None:
             return
-        try:
-            untracked(self._complete, entry, pending)
-        except BaseException as exc:
-            self.interrupted(exc)
-            raise
+        self.guarded(untracked, self._complete, entry, pending)
 
     def _complete(self, entry: dict[str, Any], pending: PendingCollective) -> None:
         """The record of a waited collective, its tensors now final: their statistics taken anew."""

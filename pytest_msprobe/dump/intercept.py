@@ -54,22 +54,11 @@ def _dressed_as(
     return wrapper
 
 
-def _make_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
-    """The wrapper of one API: straight through unless the calling thread records, else to ``Recorder.api_call``."""
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # pytest shows the user's call, not the wrapper, when the call raises
-        recorder = slot.active
-        if recorder is None:
-            return orig(*args, **kwargs)
-        return recorder.api_call(api, orig, args, kwargs)
-
-    return _dressed_as(wrapper, orig)
-
-
-def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
-    """The wrapper of a torch.distributed collective: recorded after the call (:mod:`.collectives`)."""
-    if api in _P2P_APIS:
+def _make_wrapper(orig: Callable[..., Any], api: str, collective: bool = False) -> Callable[..., Any]:
+    """The wrapper of one API: straight through unless the calling thread records, else to ``Recorder.api_call``
+    (a torch.distributed collective's to ``dist_call``, recorded after the call: :mod:`.collectives`). One
+    closure, and the choice made only once the thread records: a call that is not recorded pays nothing more."""
+    if collective and api in _P2P_APIS:
         return _P2PWrapper(orig, api)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -77,9 +66,16 @@ def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]
         recorder = slot.active
         if recorder is None:
             return orig(*args, **kwargs)
-        return recorder.dist_call(api, orig, args, kwargs)
+        if collective:
+            return recorder.dist_call(api, orig, args, kwargs)
+        return recorder.api_call(api, orig, args, kwargs)
 
     return _dressed_as(wrapper, orig)
+
+
+def _make_dist_wrapper(orig: Callable[..., Any], api: str) -> Callable[..., Any]:
+    """The wrapper of a torch.distributed collective (:func:`_make_wrapper`)."""
+    return _make_wrapper(orig, api, collective=True)
 
 
 _P2P_APIS = frozenset({"Distributed.isend", "Distributed.irecv"})

@@ -287,11 +287,7 @@ class ModuleHooks(StepRecords):
         if self.closed:  # stopped meanwhile: finish() recorded them
             self._grads_queued = False
             return
-        try:
-            self._record_grads()
-        except BaseException as exc:
-            self.interrupted(exc)
-            raise
+        self.guarded(self._record_grads)
 
     def _record_grads(self) -> None:
         """Record the gradients of the parameters accumulated by the backward pass (``parameters_grad``)."""

@@ -79,11 +79,7 @@ class OptimizerHooks(StepRecords):
             self.construct.setdefault(OPTIMIZER_NODE, None)
         self.in_optimizer = True
         if self.record_updates:
-            try:
-                untracked(self._begin_updates, optimizer)
-            except BaseException as exc:
-                self.interrupted(exc)
-                raise
+            self.guarded(untracked, self._begin_updates, optimizer)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if _get_ident() != self.owner:
@@ -93,11 +89,7 @@ class OptimizerHooks(StepRecords):
         self.in_optimizer = bool(running)
         if step is None or self.closed:
             return
-        try:
-            untracked(self._end_updates, step)
-        except BaseException as exc:
-            self.interrupted(exc)
-            raise
+        self.guarded(untracked, self._end_updates, step)
 
     def _begin_updates(self, optimizer: Any) -> None:
         groups = getattr(optimizer, "param_groups", None) or []

@@ -50,11 +50,7 @@ class Recorder(ApiCalls, ModuleHooks, Collectives, OptimizerHooks):
 
     def finish(self) -> None:
         """Write out the backward records still incomplete and drop empty reservations."""
-        try:
-            self._finish()
-        except BaseException as exc:
-            self.interrupted(exc)
-            raise
+        self.guarded(self._finish)
 
     def _finish(self) -> None:
         self._record_grads()  # a backward pass that did not reach its end (it raised) still accumulated them

@@ -10,7 +10,8 @@ dropped, see :mod:`.recorder`).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.selection import Selector
@@ -19,6 +20,8 @@ from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.threads import is_foreign_thread, owns_backward
 from pytest_msprobe.dump.values import Values
 from pytest_msprobe.format.names import OPTIMIZER_NODE, CallCounter, backward_of
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:  # pragma: no cover
     from pytest_msprobe.dump.self_check import SelfCheck
@@ -71,6 +74,15 @@ class StepRecords(Values):
         """An exception passed through the recorder's code: if it was an interruption, the records are not whole."""
         if not isinstance(exc, Exception):
             self.broken = True
+
+    def guarded(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` where an exception passing through it goes on after :meth:`interrupted` saw it (for the
+        recorder's work outside the wrappers: hooks, callbacks, finishing a step)."""
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            self.interrupted(exc)
+            raise
 
     def foreign_mine(self) -> bool:
         """Whether the calling thread, not the owner, is a device thread running a backward pass of this step."""

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.format.files import read_json, write_text
+from pytest_msprobe.format.files import read_sidecar, write_text
 
 CHECKLIST_JSON = "checklist.json"
 FORMAT = "pytest-msprobe checklist"
@@ -99,14 +99,9 @@ def read_checklist(folder: Path) -> dict[str, Any] | None:
     """The checklist of a rank folder (or of the folder of a dump.json), None when it has none (a plain msprobe
     dump, or one made without a checklist). A file that is there but broken raises DumpFormatError naming it."""
     path = checklist_path(folder)
-    if not path.is_file():
+    doc = read_sidecar(path, FORMAT, "checklist", VERSION)
+    if doc is None:
         return None
-    doc = read_json(path)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise DumpFormatError(path, f"not a checklist (expected an object with format {FORMAT!r})")
-    version = doc.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version > VERSION:
-        raise DumpFormatError(path, f"checklist version {version!r}: this reader knows version {VERSION}")
     for section in _SECTIONS:
         if section in doc and not isinstance(doc[section], dict):
             raise DumpFormatError(path, f"{section!r} must be an object, got {type(doc[section]).__name__}")

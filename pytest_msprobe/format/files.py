@@ -119,6 +119,22 @@ def read_json(path: PathLike, error: ErrorFactory = DumpFormatError) -> Any:
     return parse_json(path, raw, error)
 
 
+def read_sidecar(path: Path, fmt: str, what: str, newest: int) -> dict[str, Any] | None:
+    """A JSON file of ours beside a dump (``{"format": fmt, "version": n, ...}``, ``what`` it holds, e.g.
+    ``"checklist"``), None when there is none (a plain msprobe dump, or one made without it). One that is there
+    but broken, of another format or of a version after ``newest`` raises DumpFormatError naming it."""
+    if not path.is_file():
+        return None
+    doc = read_json(path)
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        article = "an" if what[:1] in "aeiou" else "a"
+        raise DumpFormatError(path, f"not {article} {what} (expected an object with format {fmt!r})")
+    version = doc.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version > newest:
+        raise DumpFormatError(path, f"{what} version {version!r}: this reader knows version {newest}")
+    return doc
+
+
 def parse_json(path: PathLike, raw: bytes, error: ErrorFactory = DumpFormatError) -> Any:
     """Parse the bytes of a JSON file (UTF-8, a byte-order mark allowed), read from ``path``."""
     path = Path(path)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.format.files import read_json, write_text
+from pytest_msprobe.format.files import read_sidecar, write_text
 
 OPTIMIZER_JSON = "optimizer.json"
 FORMAT = "pytest-msprobe optimizer"
@@ -105,16 +105,9 @@ def read_optimizer(dump_json: Path) -> tuple[OptimizerStep, ...] | None:
     """The optimizer steps recorded beside a dump.json, None when it has no sidecar (a plain msprobe dump, or one
     of ours from before it was written). A file that is there but broken raises DumpFormatError naming it."""
     path = optimizer_path(dump_json)
-    if not path.is_file():
+    doc = read_sidecar(path, FORMAT, "optimizer record", VERSION)
+    if doc is None:
         return None
-    doc = read_json(path)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise DumpFormatError(path, f"not an optimizer record (expected an object with format {FORMAT!r})")
-    version = doc.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version > VERSION:
-        raise DumpFormatError(
-            path, f"optimizer record version {version!r}: this reader knows version {VERSION}"
-        )
     steps = doc.get("steps")
     if not isinstance(steps, list):
         raise DumpFormatError(path, "'steps' must be a list")

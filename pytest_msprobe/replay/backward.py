@@ -12,9 +12,10 @@ first, as ``addmm`` does). Calls whose outputs have several nodes, or none of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +37,7 @@ from pytest_msprobe.replay.values import (
 )
 
 OwnErrors = tuple[OwnError | None, ...]
+R = TypeVar("R")
 # the start of the reason when the replay's node is another than the dump's
 _OTHER_NODE = "the replay's node gives"
 
@@ -65,24 +67,20 @@ def _replay_backward(
     if target.fn is None:
         return (), target.reason, ""
 
-    try:
+    def read() -> tuple[list[Any], dict[str, Any], list[Any], list[Any], list[Any]]:
         args, kwargs = rebuild_inputs(forward, lambda node: as_leaf(node, load_tensor(node, tensor_dir)))
         incoming = [
             load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in flat(backward.get("input"))
         ]
         recorded = flat(backward.get("output", []))
         dumped = [load_tensor(n, tensor_dir) if is_tensor_node(n) else None for n in recorded]
-    except DumpReadError:  # (the machine's state, not the dump's: skipping would change the verdict)
-        raise
-    except (Unreplayable, DumpFormatError) as exc:
-        return (), str(exc), ""
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record
-        return (), raised("rebuilding its inputs", exc), ""
-    random = draws(target, args, kwargs)
-    if random:
-        return (), random, ""
-    emulating = emulator(emulation_for(policy, autocast_of(forward), forward))
-    out, why = run_call(target, args, kwargs, True, emulating)
+        return args, kwargs, incoming, recorded, dumped
+
+    records, why = read_records(read)
+    if records is None:
+        return (), why, ""
+    args, kwargs, incoming, recorded, dumped = records
+    out, why, emulating = run_replayed(target, args, kwargs, forward, policy, grad=True)
     if why:
         return (), why, ""
     own, why = judge_backward(out, incoming, recorded, dumped, emulating)
@@ -109,6 +107,39 @@ def _strided(t: Any) -> torch.Tensor | None:
     with torch.no_grad():
         other = t.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
     return other.requires_grad_(t.requires_grad)
+
+
+def read_records(read: Callable[[], R]) -> tuple[R | None, str]:
+    """What ``read`` rebuilds from a call's records (its inputs, the dumped tensors), or ``(None, reason)``
+    where a record cannot be replayed or is malformed. A file that cannot be read raises: that is the
+    machine's state, not the dump's, and skipping the call would change the verdict."""
+    try:
+        return read(), ""
+    except DumpReadError:
+        raise
+    except (Unreplayable, DumpFormatError) as exc:
+        return None, str(exc)
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record
+        return None, raised("rebuilding its inputs", exc)
+
+
+def run_replayed(
+    target: Target,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    entry: dict[str, Any],
+    policy: Policy | None,
+    grad: bool,
+) -> tuple[Any, str, Emulator | None]:
+    """A call run on its rebuilt inputs under its device's declared precision, emulated (``entry`` is its
+    forward record): ``(outputs, "", emulator)``, or a reason where it draws random numbers (no replay can
+    draw the same) or raised."""
+    random = draws(target, args, kwargs)
+    if random:
+        return None, random, None
+    emulating = emulator(emulation_for(policy, autocast_of(entry), entry))
+    out, why = run_call(target, args, kwargs, grad, emulating)
+    return out, why, emulating
 
 
 def run_call(

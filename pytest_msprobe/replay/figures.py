@@ -225,52 +225,41 @@ def _first(
     bracket: _Bracket,
 ) -> _Pass | None:
     """The pass over the blocks at ``span``; None when a value is not finite (or a difference overflows)."""
-    with np.errstate(invalid="ignore", over="ignore"):  # (per thread) inf - inf, an overflow: found below
-        return _pass_blocks(d, r, span, small, rel_bounds, ulp_type, bracket)
-
-
-def _pass_blocks(
-    d: np.ndarray,
-    r: np.ndarray,
-    span: range,
-    small: tuple[float, float],
-    rel_bounds: tuple[float, ...],
-    ulp_type: Any,
-    bracket: _Bracket,
-) -> _Pass | None:
     out = _Pass(over=[0] * len(rel_bounds))
     buffers = _buffers()
     small_bound, small_abs = small
     median_wanted = d.size >= 4 * _SAMPLE
     floor_hi = bracket.floor_hi
-    for start in span:
-        diff, magnitude = buffers.fill(d, r, start)
-        top = float(diff.max())
-        if not math.isfinite(top):
-            return None
-        if top == 0.0:  # the replay's values exactly: only the median needs its magnitudes, if anything does
-            if median_wanted and out.inexact:
-                buffers.count_bracket(magnitude, bracket, out)
-            elif median_wanted:
-                out.unbracketed.append(start)
-            continue
-        if median_wanted and not out.inexact and out.unbracketed:
-            late, out.unbracketed = out.unbracketed, []
-            _bracket_into(r, late, bracket, buffers, out)
+    with np.errstate(invalid="ignore", over="ignore"):  # (per thread) inf - inf, an overflow: found below
+        for start in span:
             diff, magnitude = buffers.fill(d, r, start)
-        out.inexact.append(start)
-        out.max_abs = max(out.max_abs, top)
-        out.sum_sq += float(np.einsum("i,i->", diff, diff))  # (np.dot: BLAS threads, which spin)
-        mask = buffers.mask[: diff.size]
-        if np.less(magnitude, small_bound, out=mask).any():
-            out.small_breaches += int(np.count_nonzero(np.compress(mask, diff) > small_abs))
-        if median_wanted:
-            buffers.count_bracket(magnitude, bracket, out)
-        if ulp_type is not None:  # the mean error in ULPs of the dumped dtype
-            out.ulp_sum += buffers.ulps(diff, magnitude, ulp_type)
-        if median_wanted and not bracket.least and np.less(magnitude, floor_hi, out=mask).any():
-            out.low.append((np.compress(mask, diff), np.compress(mask, magnitude)))  # measured again
-        buffers.relative(diff, magnitude, floor_hi, rel_bounds, out)
+            top = float(diff.max())
+            if not math.isfinite(top):
+                return None
+            # the replay's values exactly: only the median needs its magnitudes, if anything does
+            if top == 0.0:
+                if median_wanted and out.inexact:
+                    buffers.count_bracket(magnitude, bracket, out)
+                elif median_wanted:
+                    out.unbracketed.append(start)
+                continue
+            if median_wanted and not out.inexact and out.unbracketed:
+                late, out.unbracketed = out.unbracketed, []
+                _bracket_into(r, late, bracket, buffers, out)
+                diff, magnitude = buffers.fill(d, r, start)
+            out.inexact.append(start)
+            out.max_abs = max(out.max_abs, top)
+            out.sum_sq += float(np.einsum("i,i->", diff, diff))  # (np.dot: BLAS threads, which spin)
+            mask = buffers.mask[: diff.size]
+            if np.less(magnitude, small_bound, out=mask).any():
+                out.small_breaches += int(np.count_nonzero(np.compress(mask, diff) > small_abs))
+            if median_wanted:
+                buffers.count_bracket(magnitude, bracket, out)
+            if ulp_type is not None:  # the mean error in ULPs of the dumped dtype
+                out.ulp_sum += buffers.ulps(diff, magnitude, ulp_type)
+            if median_wanted and not bracket.least and np.less(magnitude, floor_hi, out=mask).any():
+                out.low.append((np.compress(mask, diff), np.compress(mask, magnitude)))  # measured again
+            buffers.relative(diff, magnitude, floor_hi, rel_bounds, out)
     return out
 
 

@@ -20,23 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.errors import DumpFormatError, DumpReadError
+from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.checklist import read_checklist
 from pytest_msprobe.format.files import read_json, write_text
 from pytest_msprobe.format.layout import TENSOR_DIR, discover
 from pytest_msprobe.format.names import BACKWARD, FORWARD, parse_name
 from pytest_msprobe.format.precision import Policy, checklist_policy
-from pytest_msprobe.replay.apis import draws, resolve
-from pytest_msprobe.replay.backward import replay_backward, run_call
-from pytest_msprobe.replay.emulate import autocast_of, emulation_for, emulator
+from pytest_msprobe.replay.apis import resolve
+from pytest_msprobe.replay.backward import read_records, replay_backward, run_replayed
 from pytest_msprobe.replay.standard import OwnError, judge_output
 from pytest_msprobe.replay.state import steady
 from pytest_msprobe.replay.values import (
-    Unreplayable,
     flat,
     is_tensor_node,
     load_tensor,
-    raised,
     rebuild_inputs,
 )
 
@@ -118,22 +115,18 @@ def _replay_call(
     target = resolve(name)
     if target.fn is None:
         return (), target.reason, ""
-    try:
+
+    def read() -> tuple[list[Any], dict[str, Any], list[Any], list[Any]]:
         load = lambda node: load_tensor(node, tensor_dir)  # noqa: E731
         args, kwargs = rebuild_inputs(entry, load)
         recorded = flat(entry.get("output", []))
-        expected = [load(node) if is_tensor_node(node) else None for node in recorded]
-    except DumpReadError:  # (the machine's state, not the dump's: skipping would change the verdict)
-        raise
-    except (Unreplayable, DumpFormatError) as exc:
-        return (), str(exc), ""
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:  # a malformed record
-        return (), raised("rebuilding its inputs", exc), ""
-    random = draws(target, args, kwargs)
-    if random:
-        return (), random, ""
-    emulating = emulator(emulation_for(policy, autocast_of(entry), entry))
-    out, why = run_call(target, args, kwargs, False, emulating)
+        return args, kwargs, recorded, [load(node) if is_tensor_node(node) else None for node in recorded]
+
+    records, why = read_records(read)
+    if records is None:
+        return (), why, ""
+    args, kwargs, recorded, expected = records
+    out, why, emulating = run_replayed(target, args, kwargs, entry, policy, grad=False)
     if why:
         return (), why, ""
     outputs, why = judge_forward(out, recorded, expected)

@@ -430,7 +430,8 @@ def _call_advisor(result: CompareResult) -> str:
         f"Why this API: {fd.reason}.",
         f"Step {fd.step if fd.step is not None else 'n/a'}, rank {fd.rank if fd.rank is not None else 'n/a'}; "
         f"{len(result.failures)} API call(s) breach in total, "
-        f"{counts['apis_warning']} with warnings, {counts['apis_unmatched']} not matched.",
+        f"{counts['apis_warning']} with warnings, {counts['apis_unmatched']} call(s) not matched "
+        f"({counts['unmatched']} unmatched row(s): inputs and outputs present on one side only).",
     ]
     lines.append(f"Next steps: {next_steps(result, fd)}")
     breached = result.apis[fd.api_index]

@@ -144,21 +144,16 @@ def error_plot_figure(result: CompareResult) -> Any:
         if fd is not None:
             pos = order.index(fd.api_index)
             ax.axvline(pos, color="#d62728", linewidth=1.2)
-            # the label on the side of the line with more room, so that it stays inside the plot
-            right = pos <= 0.6 * max(len(order) - 1, 1)
-            ax.annotate(
+            divergence_label(
+                ax,
+                pos,
                 f"first divergence\n{fd.api}" + (f" (rank {fd.rank})" if several else ""),
-                xy=(pos, 1.0),
-                xytext=(8 if right else -8, 18),
-                textcoords="offset points",
-                ha="left" if right else "right",
-                fontsize=8,
-                color="#d62728",
+                right=pos <= 0.6 * max(len(order) - 1, 1),
             )
         ax.set_yscale("log")
         ax.set_xlabel("API call, execution order (steps; forward, backward; ranks side by side)")
         ax.set_ylabel("error / allowed")
-        ax.set_title(plot_title(result), fontsize=10)
+        ax.set_title(plot_title(result), fontsize=10, pad=LABEL_PAD if fd is not None else 6.0)
         # outside the axes, right of them: no point, and no first-divergence marker, is ever under it
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8, frameon=False)
         ax.grid(True, which="major", axis="y", alpha=0.3)
@@ -167,6 +162,29 @@ def error_plot_figure(result: CompareResult) -> Any:
     except BaseException:
         plt.close(fig)
         raise
+
+
+DIVERGENCE_LABEL = "first-divergence-label"  # the gid of the first divergence's label in the plots
+LABEL_PAD = 30.0  # points between the axes and their title, where the first divergence's label sits
+
+
+def divergence_label(ax: Any, x: float, text: str, right: bool = True) -> None:
+    """The first divergence's label, above the axes at its line's top: out of the plotted area, so that it
+    covers no point whatever the data; to the right of the line where there is room, else to its left (the
+    title is raised by :data:`LABEL_PAD` to make room)."""
+    ax.annotate(
+        text,
+        xy=(x, 1.0),
+        xycoords=("data", "axes fraction"),
+        xytext=(-2 if right else 2, 2),
+        textcoords="offset points",
+        ha="left" if right else "right",
+        va="bottom",
+        fontsize=8,
+        color="#d62728",
+        annotation_clip=False,
+        gid=DIVERGENCE_LABEL,
+    )
 
 
 def _png(fig: Any) -> bytes:
@@ -212,17 +230,14 @@ def trend_plot_png(trend: TrendResult) -> bytes | None:
             )
             if trend.first_step is not None:
                 ax.axvline(trend.first_step, color="#d62728", linewidth=1.2)
-                ax.annotate(
+                divergence_label(
+                    ax,
+                    trend.first_step,
                     f"first divergence\nstep {trend.first_step}",
-                    xy=(trend.first_step, 0.9),
-                    xycoords=("data", "axes fraction"),
-                    xytext=(6, 0),
-                    textcoords="offset points",
-                    fontsize=8,
-                    color="#d62728",
+                    right=trend.first_step <= (min(steps) + max(steps)) / 2,
                 )
             ax.set_xlabel("step")
-            ax.set_title(name, fontsize=10)
+            ax.set_title(name, fontsize=10, pad=LABEL_PAD if trend.first_step is not None else 6.0)
             ax.legend(loc="upper right", fontsize=8, frameon=False)
             ax.grid(True, alpha=0.3)
         return _png(fig)
@@ -265,6 +280,58 @@ def checklist_html(result: CompareResult) -> str:
     return "\n".join(rows)
 
 
+# Our block's look inside pytest-html, whose page sets small grey text: the block reads as prose, in the page's
+# own size and black. A failed compare's log (pytest's failure text) is shown whole: pytest-html cuts every log at
+# 230px behind an "expand" button; the rule reaches only the rows that hold a failed block of ours.
+FRAGMENT_STYLE = """<style>
+.msprobe { color: #222; font: 13px/1.45 system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; }
+.msprobe p, .msprobe li, .msprobe td, .msprobe th { color: #222; }
+.msprobe-advisor h4 { font-size: 14px; margin: 12px 0 4px 0; color: #000; }
+.msprobe-advisor p { margin: 4px 0; max-width: 72em; overflow-wrap: break-word; }
+.msprobe-advisor ul { margin: 2px 0 6px 0; padding-left: 1.5em; }
+.msprobe-advisor .msprobe-line { color: #555; }
+.extraHTML:has(.msprobe-failed) ~ .logwrapper { max-height: none; overflow-y: visible; }
+.extraHTML:has(.msprobe-failed) ~ .logwrapper > .logexpander { display: none; }
+.extraHTML:has(.msprobe-failed) ~ .logwrapper > .log { top: 0; height: auto; }
+</style>"""
+
+
+def advisor_html(advisor: str) -> str:
+    """The advisor's text as a titled block of paragraphs (its indented lines as lists). Its first line,
+    msprobe's bare ``Line: N``, is said in words: the suspect row's index in the comparison table, counted
+    from 0 under the header as msprobe counts it, and so the xlsx sheet's row N + 2; ``Line: N/A`` says nothing
+    and is left out. The advisor's file keeps msprobe's layout."""
+    parts = ['<div class="msprobe-advisor">', "<h4>Advisor: where the error enters and what to try</h4>"]
+    items: list[str] = []
+
+    def flush() -> None:
+        if items:
+            parts.append("<ul>" + "".join(f"<li>{item}</li>" for item in items) + "</ul>")
+            items.clear()
+
+    for line in advisor.splitlines():
+        if not line.strip():
+            flush()
+            continue
+        if line.startswith("  "):
+            items.append(html.escape(line.strip()))
+            continue
+        flush()
+        if line.startswith("Line: "):
+            index = line.removeprefix("Line: ").strip()
+            if index.isdigit():
+                parts.append(
+                    f'<p class="msprobe-line">Line {index}: row {index} of the comparison table, counted from 0 '
+                    f"under its header as msprobe does (row {int(index) + 2} of the xlsx's compare_result "
+                    "sheet).</p>"
+                )
+            continue
+        parts.append(f"<p>{html.escape(line)}</p>")
+    flush()
+    parts.append("</div>")
+    return "\n".join(parts)
+
+
 REPORT_LABELS = {
     "xlsx": "compare result (xlsx)",
     "csv": "compare result (csv)",
@@ -289,7 +356,8 @@ def html_fragment(
     self-contained report); ``report_only``: the verdict does not fail the test, and the block says so.
     """
     c = result.counts()
-    parts = ['<div class="msprobe">']
+    failed = not result.passed and not report_only  # (the test fails: its log is the failure text)
+    parts = [FRAGMENT_STYLE, f'<div class="msprobe{" msprobe-failed" if failed else ""}">']
     verdict = "passed" if result.passed else "FAILED"
     if report_only and not result.passed:
         verdict += " (report-only: not failing the test)"
@@ -321,7 +389,7 @@ def html_fragment(
     trend = trend_html(result.trend)
     if trend:
         parts.append(trend)
-    parts.append(f'<pre class="msprobe-advisor" style="white-space: pre-wrap">{html.escape(advisor)}</pre>')
+    parts.append(advisor_html(advisor))
     own = own_html(result)
     if own:
         parts.append(own)

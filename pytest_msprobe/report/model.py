@@ -192,7 +192,7 @@ ul { list-style: none; margin: 0; padding-left: 16px; }
 mark { background: #ffef80; padding: 0; }
 table { border-collapse: collapse; font-size: 12px; width: 100%; }
 td, th { border: 1px solid #ccc; padding: 2px 4px; text-align: left; vertical-align: top; }
-td:first-child, td:nth-child(6) { overflow-wrap: anywhere; }
+td, h2, code { overflow-wrap: normal; word-break: normal; }
 tr.st-error td { background: #fde8e8; }
 tr.st-warning td { background: #fff6d6; }
 tr.fd-row td { outline: 2px solid #d62728; }
@@ -236,6 +236,8 @@ const fdCall = D.first ? D.first.call : null;
 const fdNode = fdCall === null ? null : calls[fdCall].node;
 
 function esc(t) { return String(t).replace(/[&<>"]/g, ch => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[ch])); }
+// a call or module name, escaped, that a narrow column wraps only after its dots and underscores, never inside a word
+function name(t) { return esc(t).replace(/[._]/g, "$&<wbr>"); }
 function shown(c) {
   return (state.step === "all" || String(c.step) === state.step) && (state.rank === "all" || String(c.rank) === state.rank);
 }
@@ -349,15 +351,15 @@ function select(id) {
   const rows = [];
   for (let i = 0; i < c.nrows; i++) {
     const r = D.rows[c.row0 + i];
-    const name = r[0].startsWith(".") ? c.name + r[0] : r[0];
+    const rowName = r[0].startsWith(".") ? c.name + r[0] : r[0];
     const fd = id === fdCall && i === D.first.row;
-    rows.push('<tr class="st-' + esc(S[r[1]]) + (fd ? " fd-row" : "") + '"><td><code>' + esc(name) + "</code></td><td>" + esc(S[r[1]]) +
+    rows.push('<tr class="st-' + esc(S[r[1]]) + (fd ? " fd-row" : "") + '"><td><code>' + name(rowName) + "</code></td><td>" + esc(S[r[1]]) +
       "</td><td>" + esc(S[r[2]]) + "</td><td>" + esc(r[3]) + "</td><td>" + esc(r[4]) + "</td><td>" + esc(S[r[5]]) +
       "</td><td>" + esc(c.step === null ? "" : c.step) + "</td><td>" + esc(c.rank === null ? "" : c.rank) + "</td></tr>");
   }
   const details = document.getElementById("details");
-  details.innerHTML = "<h2 style=\\"font-size:14px;margin:4px 0\\">" + esc(c.name) + (id === fdCall ? ' <span style="color:#b00">(first divergence)</span>' : "") + "</h2>" +
-    '<p>module <code>' + esc(dotted(c.node)) + "</code>; step " + esc(c.step) + ", rank " + esc(c.rank) + (c.dir ? ", " + esc(c.dir) : "") +
+  details.innerHTML = "<h2 style=\\"font-size:14px;margin:4px 0\\">" + name(c.name) + (id === fdCall ? ' <span style="color:#b00">(first divergence)</span>' : "") + "</h2>" +
+    '<p>module <code>' + name(dotted(c.node)) + "</code>; step " + esc(c.step) + ", rank " + esc(c.rank) + (c.dir ? ", " + esc(c.dir) : "") +
     "; status <b>" + esc(c.status) + "</b>" + (c.ratio === null ? "" : ", worst error/allowed " + fmtRatio(c.ratio)) + "</p>" +
     (c.reason ? "<p>" + esc(c.reason) + "</p>" : "") +
     (c.nrows ? '<table id="rows"><tr><th>row</th><th>status</th><th>metric</th><th>value</th><th>allowed</th><th>reason</th><th>step</th><th>rank</th></tr>' + rows.join("") + "</table>"

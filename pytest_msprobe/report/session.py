@@ -220,7 +220,7 @@ def _counts_cell(c: Mapping[str, Any] | None) -> str:
         return ""
     text = f"{c['breaching_calls']} of {c['calls']} calls breach"
     if c.get("error_rows") is not None:  # (a self-check without a baseline has no rows)
-        text += f"; {c['error_rows']} error rows, {c['warnings']} warnings, {c['unmatched']} unmatched"
+        text += f"; {c['error_rows']} error rows, {c['warnings']} warnings, {c['unmatched']} unmatched rows"
     return html.escape(text)
 
 

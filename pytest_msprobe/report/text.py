@@ -341,7 +341,7 @@ def failure_message(
     scope = f", steps {', '.join(map(str, steps))}" if steps else ""
     if len(ranks) > 1:
         scope += f", ranks {', '.join(map(str, ranks))}"
-    detail = f"({c['error']} error rows, {c['warning']} warnings, {c['unmatched']} unmatched; {result.mode} mode{scope})"
+    detail = f"({c['error']} error rows, {c['warning']} warnings, {c['unmatched']} unmatched rows; {result.mode} mode{scope})"
     counts = f"{c['apis_error']} of {c['apis']} API calls breach the thresholds {detail}"
     limit = BY_NAME["max_unmatched"]
     coverage = coverage_lines(result, f"{limit.flag}=SHARE or the marker's {limit.marker}=")

@@ -143,6 +143,27 @@ def test_advisor_names_the_first_divergence(reported: tuple[CompareResult, dict[
     assert sheet.cell(int(lines[0].split()[1]) + 2, 1).value == "Functional.relu.2.forward.output.0"
 
 
+def test_the_html_advisor_says_what_its_line_is(reported: tuple[CompareResult, dict[str, str]]) -> None:
+    """The advisor file keeps msprobe's bare ``Line: N``; the HTML block says in words which row it is, under a
+    heading, as prose (no preformatted block), its other lines as they are."""
+    from pytest_msprobe.report.html import advisor_html, html_fragment
+
+    result, paths = reported
+    advisor = Path(paths["advisor"]).read_text()
+    n = result.first_divergence.row_index  # type: ignore[union-attr]
+    block = advisor_html(advisor)
+    assert block.startswith('<div class="msprobe-advisor">\n<h4>Advisor')
+    assert (
+        f"Line {n}: row {n} of the comparison table, counted from 0 under its header as msprobe does "
+        f"(row {n + 2} of the xlsx's compare_result sheet)" in block
+    )
+    assert "<p>Suspect Nodes: Functional.relu.2.forward.output.0</p>" in block
+    assert "Line: " not in block and "<pre" not in block
+    assert block in html_fragment(result, paths, advisor)
+    # no suspect row, nothing to say about it
+    assert "Line" not in advisor_html("Line: N/A\nSuspect Nodes: N/A\nExpert Advice: fine\n")
+
+
 def test_advisor_when_everything_passes(tmp_path: Path) -> None:
     result = compare(dump_dir("8.3.3", "bench", "stat_L1", 0), dump_dir("26.2.0", "bench", "stat_L1", 0))
     text = Path(write_reports(result, tmp_path)["advisor"]).read_text().splitlines()

@@ -107,3 +107,19 @@ def test_a_dtype_change_is_named_as_a_dtype_change(make_dump: Callable[..., Path
     row = " ".join(table[1])
     assert "Functional.linear.0.forward.output.0 dtype bfloat16 vs float32" in row
     assert "(scaled)" not in row
+
+
+def test_unmatched_counts_say_whether_they_count_rows_or_calls(relu_fault: CompareResult) -> None:
+    """The failure line counts unmatched rows, the advisor unmatched calls: each says which it counts, so that
+    "4 unmatched" and "0 not matched" never read as two answers to one question."""
+    from pytest_msprobe.report.advisor import advisor_text
+
+    c = relu_fault.counts()
+    message = failure_message(relu_fault, {}, Path("bl"), "pytest 'x'")
+    assert f"{c['warning']} warnings, {c['unmatched']} unmatched rows; " in message.splitlines()[0]
+    advisor = advisor_text(relu_fault)
+    assert (
+        f"{c['apis_unmatched']} call(s) not matched ({c['unmatched']} unmatched row(s): inputs and outputs "
+        "present on one side only)." in advisor
+    )
+    assert " not matched." not in advisor

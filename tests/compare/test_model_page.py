@@ -16,7 +16,13 @@ import pytest_msprobe.report.model as model_page
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.result import PASS, CompareResult
 from pytest_msprobe.report import write_reports
-from pytest_msprobe.report.html import STEP_BOUNDARY, api_ratios, error_plot_figure, html_fragment
+from pytest_msprobe.report.html import (
+    DIVERGENCE_LABEL,
+    STEP_BOUNDARY,
+    api_ratios,
+    error_plot_figure,
+    html_fragment,
+)
 from pytest_msprobe.report.model import model_data, model_html
 
 
@@ -165,6 +171,47 @@ def test_the_plot_marks_steps_and_keeps_its_legend_off_the_points(l1: CompareRes
         plt.close(fig)
 
 
+def _label_covers_no_point(fig: Any) -> None:
+    """Each axes' first-divergence label lies above its plotted area, clear of every drawn point (a marker's
+    box, not only its centre), of every line's vertices and of the title."""
+    fig.canvas.draw()
+    labelled = 0
+    for ax in fig.axes:
+        for label in [t for t in ax.texts if t.get_gid() == DIVERGENCE_LABEL]:
+            labelled += 1
+            box = label.get_window_extent()
+            assert box.y0 >= ax.get_window_extent().y1  # above the axes, where nothing is plotted
+            assert not box.overlaps(ax.title.get_window_extent())
+            for collection in ax.collections:
+                # a marker's radius in pixels, from its area in points squared
+                radius = max(collection.get_sizes()) ** 0.5 / 2 * fig.dpi / 72
+                for x, y in ax.transData.transform(collection.get_offsets()):
+                    assert not (
+                        box.x0 - radius <= x <= box.x1 + radius and box.y0 - radius <= y <= box.y1 + radius
+                    ), f"the label covers the point at ({x:.0f}, {y:.0f})"
+    assert labelled
+
+
+def test_the_first_divergence_label_covers_no_point(l1: CompareResult) -> None:
+    pytest.importorskip("matplotlib")
+    import dataclasses
+
+    import matplotlib.pyplot as plt
+
+    # early, late, and in the middle of the calls: the label is never over the data
+    order = sorted(range(len(l1.apis)), key=lambda i: l1.apis[i].order)
+    for index in (None, order[-1], order[len(order) // 2]):
+        result = l1
+        if index is not None:
+            fd = dataclasses.replace(l1.first_divergence, api_index=index, api=l1.apis[index].api)  # type: ignore[type-var]
+            result = dataclasses.replace(l1, first_divergence=fd)
+        fig = error_plot_figure(result)
+        try:
+            _label_covers_no_point(fig)
+        finally:
+            plt.close(fig)
+
+
 def test_a_late_first_divergence_keeps_its_label_inside(l1: CompareResult) -> None:
     pytest.importorskip("matplotlib")
     import dataclasses
@@ -182,3 +229,32 @@ def test_a_late_first_divergence_keeps_its_label_inside(l1: CompareResult) -> No
         assert box.x0 >= axes.x0 and box.x1 <= axes.x1
     finally:
         plt.close(fig)
+
+
+@pytest.mark.parametrize("first", [3, 20, 38])
+def test_the_trend_plots_label_covers_no_point(monkeypatch: pytest.MonkeyPatch, first: int) -> None:
+    """Both panels of the trend plot label the first divergent step above their axes, clear of the curves."""
+    pytest.importorskip("matplotlib")
+    import pytest_msprobe.report.html as report_html
+    from pytest_msprobe.compare.trend import compare_trend
+    from pytest_msprobe.format.trendfile import TrendData, TrendStep
+
+    def trend(loss: list[float]) -> TrendData:
+        return TrendData(
+            "float32", ("fc",), tuple(TrendStep(i, v, v / 2, (v / 4,)) for i, v in enumerate(loss))
+        )
+
+    curve = [2.3 - 0.05 * i for i in range(40)]
+    drifted = [v * (1.05 if i >= first else 1.0) for i, v in enumerate(curve)]
+    result = compare_trend(trend(drifted), trend(curve), 40)
+    assert result.first_step == first
+    checked: list[Any] = []
+
+    def png(fig: Any) -> bytes:  # the figure, checked before it is saved and closed
+        _label_covers_no_point(fig)
+        checked.append(fig)
+        return b""
+
+    monkeypatch.setattr(report_html, "_png", png)
+    report_html.trend_plot_png(result)
+    assert len(checked) == 1 and len(checked[0].axes) == 2

@@ -3,11 +3,14 @@ the tests skip without it): the flags, the rendered DOM, a screenshot, and how m
 
 from __future__ import annotations
 
+import html
+import json
 import shutil
 import struct
 import subprocess
 import zlib
 from pathlib import Path
+from typing import Any
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 CHROMIUM_FLAGS = [
@@ -40,6 +43,28 @@ def run_chromium(profile: Path, url: str, *args: str, size: str = "1280,2000", b
         timeout=120,
         check=True,
     ).stdout
+
+
+PROBE = "probe-result"  # the id of the element a probe script writes its JSON into
+
+
+def probe(page: Path, script: str, profile: Path, fragment: str = "", **kwargs: Any) -> Any:
+    """What ``script`` measures in ``page`` as Chromium lays it out: the script runs a while after the page
+    loaded (its own scripts drawn), and returns a JSON-able value; a copy of the page beside it (so that its
+    relative links hold) carries the script. For what the DOM alone cannot tell: computed styles, line boxes."""
+    runner = (
+        '<script>window.addEventListener("load", () => setTimeout(() => {'
+        f'const out = document.createElement("pre"); out.id = "{PROBE}";'
+        f"out.textContent = JSON.stringify((() => {{ {script} }})()); document.body.appendChild(out);"
+        "}, 1000));</script>"
+    )
+    text = page.read_text(encoding="utf-8")
+    at = text.rindex("</body>")
+    copy = page.with_name(f"probe-{page.name}")
+    copy.write_text(text[:at] + runner + text[at:], encoding="utf-8")
+    dom = run_chromium(profile, copy.as_uri() + fragment, "--dump-dom", **kwargs)
+    start = dom.index(f'<pre id="{PROBE}">') + len(f'<pre id="{PROBE}">')
+    return json.loads(html.unescape(dom[start : dom.index("</pre>", start)]))
 
 
 def png_size_and_ink(data: bytes) -> tuple[int, int, float]:

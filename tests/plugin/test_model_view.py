@@ -9,7 +9,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from chromium import CHROMIUM, png_size_and_ink, run_chromium
+from chromium import CHROMIUM, png_size_and_ink, probe, run_chromium
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.result import CompareResult
@@ -54,7 +54,7 @@ class Dom(HTMLParser):
             self._cell = []
         elif a.get("id") in ("details", "matches"):
             self._in = a["id"]
-        if tag not in ("br", "input", "meta", "option"):
+        if tag not in ("br", "input", "meta", "option", "wbr"):
             self._stack.append((tag, a))
 
     def handle_endtag(self, tag: str) -> None:
@@ -155,6 +155,45 @@ def test_a_node_in_the_fragment_is_opened(page: Path, tmp_path: Path) -> None:
         "model.layer2.downsample.0",
         "model.layer2.downsample.1",
     }
+
+
+# each name of the details pane (row names, the module), as its rendered lines: a new line where a character's
+# box drops below the one before it
+LINES = """
+const range = document.createRange(), out = [];
+for (const code of document.querySelectorAll("#details code")) {
+  const lines = [""];
+  let top = null;
+  const walk = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+  for (let n = walk.nextNode(); n; n = walk.nextNode())
+    for (let i = 0; i < n.length; i++) {
+      range.setStart(n, i);
+      range.setEnd(n, i + 1);
+      const box = range.getBoundingClientRect();
+      if (top !== null && box.top > top + 2) lines.push("");
+      top = box.top;
+      lines[lines.length - 1] += n.data[i];
+    }
+  out.push(lines);
+}
+return out;
+"""
+
+
+@needs_chromium
+def test_a_narrow_pane_wraps_names_only_after_a_dot_or_underscore(
+    compared: tuple[CompareResult, Path], tmp_path: Path
+) -> None:
+    result, page = compared
+    name = "Functional.batch_norm.2.forward"
+    (api,) = [a for a in result.apis if a.api == name and a.step == 0]
+    names = probe(page, LINES, tmp_path / "profile", f"#call={name}&step=0", size="560,900")
+    rows = {"".join(lines): lines for lines in names}
+    assert {result.rows[i].row for i in api.rows} <= set(rows)
+    wrapped = [lines for lines in names if len(lines) > 1]
+    assert wrapped, f"nothing wrapped at this width: {names}"
+    for lines in wrapped:
+        assert all(line[-1] in "._" for line in lines[:-1]), f"a name broken inside a word: {lines}"
 
 
 @needs_chromium

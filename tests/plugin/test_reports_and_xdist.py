@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from chromium import CHROMIUM, CHROMIUM_FLAGS, png_size_and_ink
+from chromium import CHROMIUM, CHROMIUM_FLAGS, png_size_and_ink, probe
 
 BASE = ["-p", "no:cacheprovider"]
 
@@ -62,6 +62,37 @@ def test_html_report_renders_in_chromium(
     width, height, ink = png_size_and_ink(shot.read_bytes())
     assert (width, height) == (1280, 2000)
     assert ink > 0.01, f"the screenshot is blank ({ink:.4f} of pixels drawn)"
+    # as it reads: the advisor is prose under a heading, and the failure's log is shown whole, not cut at
+    # pytest-html's 230px behind "expand"
+    seen = probe(html, READ, profile)
+    assert seen is not None, "no failed msprobe block in the rendered report"
+    assert seen["heading"].startswith("Advisor")
+    assert seen["headingSize"] > seen["size"] >= 13
+    assert not any(mono in seen["font"].lower() for mono in ("mono", "courier")), seen["font"]
+    assert max(int(v) for v in seen["colour"][4:-1].split(",")) < 100, seen["colour"]  # dark, not grey
+    assert seen["line"].startswith("Line ") and "of the comparison table" in seen["line"]
+    assert seen["maxHeight"] == "none" and seen["expander"] == "none"
+    assert seen["shown"] >= seen["needed"] and seen["logTop"] >= seen["wrapperTop"]
+    assert "first divergence: Functional.relu.1.forward" in seen["log"]
+
+
+# what the browser makes of the failed test's row: the advisor's computed style, the log's box against its text
+READ = """
+const block = document.querySelector(".msprobe-failed");
+if (!block) return null;
+const advisor = block.querySelector(".msprobe-advisor"), cell = block.closest("td");
+const prose = getComputedStyle(advisor.querySelector("p:not(.msprobe-line)"));
+const wrapper = cell.querySelector(".logwrapper"), log = cell.querySelector(".log");
+return {
+  heading: advisor.querySelector("h4").textContent,
+  headingSize: parseFloat(getComputedStyle(advisor.querySelector("h4")).fontSize),
+  size: parseFloat(prose.fontSize), font: prose.fontFamily, colour: prose.color,
+  line: advisor.querySelector(".msprobe-line").textContent,
+  maxHeight: getComputedStyle(wrapper).maxHeight, expander: getComputedStyle(cell.querySelector(".logexpander")).display,
+  shown: wrapper.clientHeight, needed: log.scrollHeight, log: log.textContent,
+  logTop: log.getBoundingClientRect().top, wrapperTop: wrapper.getBoundingClientRect().top,
+};
+"""
 
 
 def test_xdist_regen_and_compare_many_tests(pytester: pytest.Pytester, train_source: str) -> None:
