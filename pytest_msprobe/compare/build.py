@@ -35,7 +35,7 @@ from pytest_msprobe.compare.rank_order import (
     execution_order,
 )
 from pytest_msprobe.compare.records import INPUT, OUTPUT, PARAMETER, ApiEntry, Dump, Leaf, tensor_path
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.rows import (
     ERROR,
     SKIPPED,
     UNMATCHED,

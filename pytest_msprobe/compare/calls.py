@@ -9,14 +9,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from pytest_msprobe.compare.records import OUTPUT
-from pytest_msprobe.compare.result import (
-    ERROR,
-    UNMATCHED,
-    ApiResult,
-    Divergence,
-    RowResult,
-    shape_differs,
-)
+from pytest_msprobe.compare.rows import ERROR, UNMATCHED, ApiResult, RowResult, shape_differs
+from pytest_msprobe.compare.rules import Divergence
 from pytest_msprobe.compare.sources import NO_SOURCES, Sources, find_sources
 
 # an input whose error exceeds this fraction of its tolerance does not count as matching the baseline (the

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pytest_msprobe.compare.checklist import BUFFER, DATA, PARAMETER, Difference
-from pytest_msprobe.compare.result import SOURCE, ApiResult, Divergence, RowResult
+from pytest_msprobe.compare.rows import ApiResult, RowResult
+from pytest_msprobe.compare.rules import SOURCE, Divergence
 from pytest_msprobe.compare.sources import ALONE, CHANGED_SINCE
 
 _WHAT = {PARAMETER: "a weight", BUFFER: "a running statistic", DATA: "an input"}  # the kinds a checklist has

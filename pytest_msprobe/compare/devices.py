@@ -28,14 +28,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from pytest_msprobe.compare.divergence import inputs_matcher
-from pytest_msprobe.compare.result import (
-    ERROR,
-    WARNING,
-    ApiResult,
-    Overflow,
-    OwnVerdict,
-    RowResult,
-)
+from pytest_msprobe.compare.rows import ERROR, WARNING, ApiResult, Overflow, OwnVerdict, RowResult
 
 DRIFT = "drift across devices"
 

@@ -67,25 +67,27 @@ from pytest_msprobe.compare.calls import (
     worst_output_row,
 )
 from pytest_msprobe.compare.records import OUTPUT, Leaf
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.rows import (
     DTYPE,
-    ENTERS,
     ERROR,
+    UNMATCHED,
+    ApiResult,
+    Overflow,
+    OwnVerdict,
+    RowResult,
+    fmt_number,
+    shape_differs,
+)
+from pytest_msprobe.compare.rules import (
+    ENTERS,
     GROWS,
     INCONSISTENT,
     OUT_OF_LINE,
     OVERFLOW,
     ROUNDING,
     SOURCE,
-    UNMATCHED,
     UNRECORDED_SOURCE,
-    ApiResult,
     Divergence,
-    Overflow,
-    OwnVerdict,
-    RowResult,
-    fmt_number,
-    shape_differs,
 )
 from pytest_msprobe.compare.sources import ALONE, CHANGED_SINCE, KIND_TEXT, Source
 from pytest_msprobe.format.own_errors import OwnError

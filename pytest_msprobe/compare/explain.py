@@ -17,7 +17,7 @@ from pytest_msprobe.compare.build import Builder, Draft
 from pytest_msprobe.compare.judge import Check, amend, check_statistics
 from pytest_msprobe.compare.optimizer import PARAM_IN
 from pytest_msprobe.compare.records import OUTPUT, TENSOR, Leaf
-from pytest_msprobe.compare.result import ERROR, PASS, WARNING
+from pytest_msprobe.compare.rows import ERROR, PASS, WARNING
 from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.compare.thresholds import Thresholds, normalize_dtype
 from pytest_msprobe.errors import DumpFormatError, DumpReadError

@@ -10,15 +10,8 @@ from collections.abc import Mapping
 
 from pytest_msprobe.compare.calls import Calls, inputs_of_other_shapes
 from pytest_msprobe.compare.records import OUTPUT
-from pytest_msprobe.compare.result import (
-    ERROR,
-    GROWS,
-    INHERITED,
-    STRUCTURAL,
-    UNMATCHED,
-    Divergence,
-    fmt_number,
-)
+from pytest_msprobe.compare.rows import ERROR, UNMATCHED, fmt_number
+from pytest_msprobe.compare.rules import GROWS, INHERITED, STRUCTURAL, Divergence
 
 
 def grows(calls: Calls, breaching: list[int], amplification: float) -> Divergence | None:

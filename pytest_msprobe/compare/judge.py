@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetrics, stat_metrics
 from pytest_msprobe.compare.records import NONE, TENSOR, VALUE, Leaf
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.rows import (
     DTYPE,
     ERROR,
     NONFINITE,

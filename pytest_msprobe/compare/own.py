@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pytest_msprobe.compare.overflow import CallView, dump_overflow, entry_views
 from pytest_msprobe.compare.records import read_dump, read_stack
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.rows import (
     ERROR,
     WARNING,
     ApiResult,

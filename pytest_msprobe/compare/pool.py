@@ -20,7 +20,7 @@ from pytest_msprobe.compare.build import Builder, CallDraft, Draft, TensorRef
 from pytest_msprobe.compare.judge import Check
 from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics, tensor_metrics
 from pytest_msprobe.compare.records import Leaf
-from pytest_msprobe.compare.result import DumpPair
+from pytest_msprobe.compare.rows import DumpPair
 from pytest_msprobe.compare.tensors import open_tensor
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import DumpFormatError, DumpReadError

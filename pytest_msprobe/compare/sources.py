@@ -51,16 +51,8 @@ from dataclasses import dataclass
 
 from pytest_msprobe.compare.overflow import WEIGHT_INPUTS
 from pytest_msprobe.compare.records import INPUT, OUTPUT, TENSOR, Leaf
-from pytest_msprobe.compare.result import (
-    BUFFER_SOURCE,
-    DATA_SOURCE,
-    ERROR,
-    PARAMETER_SOURCE,
-    UNMATCHED,
-    UNRECORDED_SOURCE,
-    ApiResult,
-    RowResult,
-)
+from pytest_msprobe.compare.rows import ERROR, UNMATCHED, ApiResult, RowResult
+from pytest_msprobe.compare.rules import BUFFER_SOURCE, DATA_SOURCE, PARAMETER_SOURCE, UNRECORDED_SOURCE
 from pytest_msprobe.format.names import parse_name
 
 PARAMETER, BUFFER, DATA, UNRECORDED = PARAMETER_SOURCE, BUFFER_SOURCE, DATA_SOURCE, UNRECORDED_SOURCE
