@@ -83,6 +83,41 @@ from pytest_msprobe.compare.trend_result import TrendResult as TrendResult
 from pytest_msprobe.compare.trend_result import TrendRow as TrendRow
 from pytest_msprobe.compare.trend_result import tolerance_text as tolerance_text
 
+# what comes first in a compare (Verdict.cause): a checklist difference (a numerics setting, or data, weights,
+# hyperparameters, structure), else the first divergence among the calls (an overflow, or another call), else
+# the trend, else what was not compared (dumps the target lacks, too little of the baseline paired)
+CAUSE_SETTING, CAUSE_CHECKLIST, CAUSE_OVERFLOW, CAUSE_CALL = "setting", "checklist", "overflow", "call"
+CAUSE_TREND, CAUSE_MISSING, CAUSE_COVERAGE = "trend", "missing", "coverage"
+CAUSES = (
+    CAUSE_SETTING,
+    CAUSE_CHECKLIST,
+    CAUSE_OVERFLOW,
+    CAUSE_CALL,
+    CAUSE_TREND,
+    CAUSE_MISSING,
+    CAUSE_COVERAGE,
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The test's verdict, worked out once per compare (:attr:`CompareResult.verdict`): whether it passed, and
+    what comes first. ``checklist`` is the checklist difference that is the first divergence (it comes before
+    the calls' first divergence, ``divergence``, which the reports still show after it); ``text`` names the first
+    divergence in a few words (``parameter c2.weight (before step 0)``, ``Functional.relu.2.forward``); ``api``
+    and ``row`` are the call and row where it shows first; ``rank`` the rank it is on, where the run had several
+    and a rank tells; ``trend_only`` that the trend alone fails (the dumped steps agree)."""
+
+    passed: bool
+    cause: str | None  # one of CAUSES; None where nothing differs
+    checklist: Difference | None
+    divergence: Divergence | None
+    text: str
+    api: str | None
+    row: str | None
+    rank: int | None
+    trend_only: bool
+
 
 @dataclass(frozen=True)
 class CompareResult:
@@ -119,23 +154,79 @@ class CompareResult:
     # how the calls were judged when the runs ran on different devices (None: on one device, values judge)
     across: AcrossDevices | None = None
 
-    @property
-    def passed(self) -> bool:
-        """No API breaches, the target has every step and rank the baseline has, enough of the baseline found
-        a partner, (with the self-check) no call is out of line, the checklists agree on the data, the weights,
-        the structure and the hyperparameters, and the trend (where there is one) agrees."""
-        return (
-            not self.missing
+    @functools.cached_property
+    def verdict(self) -> Verdict:
+        """Whether the compare passed and what comes first, decided once: every report and the test's outcome
+        read this."""
+        first = self._checklist_first()
+        fd = self.first_divergence
+        trend_only = (
+            self.trend is not None
+            and not self.trend.passed
+            and not self.missing
             and self.coverage.passed
-            and not any(api.status == ERROR for api in self.apis)
+            and not self.failures
             and not (self.self_check and self.out_of_line)
-            and (self.checklist is None or self.checklist.passed)
-            and self.overflow is None
-            and (self.trend is None or self.trend.passed)
+        )
+        cause: str | None
+        if first is not None:
+            cause = CAUSE_SETTING if first.kind == SETTING else CAUSE_CHECKLIST
+        elif fd is not None:
+            cause = CAUSE_OVERFLOW if fd.rule == OVERFLOW else CAUSE_CALL
+        elif self.trend is not None and not self.trend.passed:
+            cause = CAUSE_TREND
+        elif self.missing:
+            cause = CAUSE_MISSING
+        elif not self.coverage.passed:
+            cause = CAUSE_COVERAGE
+        else:
+            cause = None
+        if first is None:
+            rank = fd.rank if fd is not None else None
+        else:  # a setting: the rank of the first call it changes; another difference names no rank
+            rank = first.rank if first.kind == SETTING and self.several_ranks else None
+        api, row = self._first_call(first)
+        return Verdict(
+            passed=(
+                not self.missing
+                and self.coverage.passed
+                and not any(a.status == ERROR for a in self.apis)
+                and not (self.self_check and self.out_of_line)
+                and (self.checklist is None or self.checklist.passed)
+                and self.overflow is None
+                and (self.trend is None or self.trend.passed)
+            ),
+            cause=cause,
+            checklist=first,
+            divergence=fd,
+            text=self._first_text(first),
+            api=api,
+            row=row,
+            rank=rank,
+            trend_only=trend_only,
         )
 
     @property
+    def passed(self) -> bool:
+        """No API breaches, the target has every step and rank the baseline has, enough of the baseline found
+        a partner, (with the self-check) no call's own error is out of line, the checklists agree on the data,
+        the weights, the structure and the hyperparameters, and the trend (where there is one) agrees."""
+        return self.verdict.passed
+
+    @property
     def checklist_first(self) -> Difference | None:
+        """The checklist difference that is the first divergence (:attr:`Verdict.checklist`)."""
+        return self.verdict.checklist
+
+    def first_call(self) -> tuple[str | None, str | None]:
+        """The call and row where the first divergence shows first (:attr:`Verdict.api`, :attr:`Verdict.row`)."""
+        return self.verdict.api, self.verdict.row
+
+    def first_divergence_text(self) -> str:
+        """What the first divergence is, in a few words (:attr:`Verdict.text`)."""
+        return self.verdict.text
+
+    def _checklist_first(self) -> Difference | None:
         """The checklist difference that is the first divergence: the first failing one, when it comes no
         later than the first divergence among the calls (a difference at the start of a step comes before the
         step's calls: a re-seeded weight is named, not the conv that reads it). A weight's drift at a later
@@ -168,11 +259,11 @@ class CompareResult:
         # the setting changed any call did not come from it either)
         return self.apis[fd.api_index].order < self.apis[setting.call_index].order
 
-    def first_call(self) -> tuple[str | None, str | None]:
+    def _first_call(self, first: Difference | None) -> tuple[str | None, str | None]:
         """The call and row where the first divergence shows first, whatever names it: a checklist difference's
         call (a setting's first changed call, the first reader of an input read off the records), else the first
         divergence among the calls; (None, None) where no call is named."""
-        first, fd = self.checklist_first, self.first_divergence
+        fd = self.first_divergence
         if first is not None and first.call_index is not None:
             api = self.apis[first.call_index]
             names = [self.rows[j].row for j in api.rows]
@@ -186,19 +277,18 @@ class CompareResult:
             return fd.api, fd.row
         return None, None
 
-    @property
-    def several_ranks(self) -> bool:
-        return len({p.rank for p in self.pairs if p.rank is not None}) > 1
-
-    def first_divergence_text(self) -> str:
+    def _first_text(self, first: Difference | None) -> str:
         """What the first divergence is, in a few words: ``parameter c2.weight (before step 0)``,
         ``Functional.relu.2.forward`` (empty for none): the junitxml property and the terminal summary."""
-        first = self.checklist_first
         if first is not None and first.kind == SETTING:  # (its values are in the headline)
             return f"{first.kind} {first.name}"
         if first is not None:
             return first.headline(self.several_ranks).split(": ", 1)[0]
         return self.first_divergence.api if self.first_divergence is not None else ""
+
+    @property
+    def several_ranks(self) -> bool:
+        return len({p.rank for p in self.pairs if p.rank is not None}) > 1
 
     def stack_of(self, api: ApiResult) -> tuple[str, ...]:
         """A call's stack: from its own dump pair's stack.json where each pair's was read, else by name."""

@@ -46,7 +46,7 @@ def api_ratios(result: CompareResult) -> list[float | None]:
 
 def plot_title(result: CompareResult) -> str:
     """The plot's title: the verdict, and in a multi-rank compare the ranks and the first divergence's rank."""
-    title = f"{result.mode} compare: {'passed' if result.passed else 'FAILED'}"
+    title = f"{result.mode} compare: {'passed' if result.verdict.passed else 'FAILED'}"
     ranks = sorted({a.rank for a in result.apis if a.rank is not None})
     if len(ranks) > 1:
         title += f", ranks {', '.join(map(str, ranks))}"
@@ -290,8 +290,8 @@ def html_fragment(
     """
     c = result.counts()
     parts = ['<div class="msprobe">']
-    verdict = "passed" if result.passed else "FAILED"
-    if report_only and not result.passed:
+    verdict = "passed" if result.verdict.passed else "FAILED"
+    if report_only and not result.verdict.passed:
         verdict += " (report-only: not failing the test)"
     parts.append(
         f"<p><b>msprobe {html.escape(result.mode)} compare {verdict}</b>: {c['apis_error']} of {c['apis']} API "
@@ -300,7 +300,7 @@ def html_fragment(
     if result.coverage.headline is not None:
         parts.append(f'<p class="msprobe-coverage"><b>{html.escape(result.coverage.headline)}</b></p>')
     fd = result.first_divergence
-    first = result.checklist_first
+    first = result.verdict.checklist
     if first is not None:
         parts.append(
             f'<p>First divergence: <b class="msprobe-first-divergence">{html.escape(first.kind)} '

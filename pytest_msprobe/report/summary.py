@@ -133,7 +133,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         row = result.rows[api.worst_row].row if api.worst_row is not None else api.api
         failures.append(_place(result, api, row, api.reason))
     return {
-        "passed": result.passed,
+        "passed": result.verdict.passed,
         "first_divergence": first_divergence_dict(result),
         "overflow": overflow_dict(result.overflow),
         "failures": failures,
@@ -157,10 +157,10 @@ def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
     call that reads it (or that a setting changes), and the row where it shows (an input slot for a weight or
     the data). ``source`` is what an input from outside the recorded calls is, where one is the first
     divergence (parameter, buffer, data, unrecorded)."""
-    first = result.checklist_first
-    fd = result.first_divergence
+    verdict = result.verdict
+    first, fd = verdict.checklist, verdict.divergence
     if first is not None:
-        api, row = result.first_call()
+        api, row = verdict.api, verdict.row
         return {
             "kind": first.kind,
             "name": first.name,

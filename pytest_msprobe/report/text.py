@@ -56,7 +56,7 @@ def api_site(result: CompareResult, api: str) -> str | None:
 def divergence_site(result: CompareResult) -> str | None:
     """The source line of the first divergence's call, or of the first call a setting that comes first changes
     (None for another checklist difference, or without a stack)."""
-    fd, first = result.first_divergence, result.checklist_first
+    fd, first = result.first_divergence, result.verdict.checklist
     if first is not None:
         return api_site(result, first.call) if first.call else None
     return api_site(result, fd.api) if fd is not None else None
@@ -98,7 +98,7 @@ def divergence_lines(result: CompareResult) -> list[str]:
     """The first divergence and why: a checklist difference (data, a weight, a setting, the structure) when
     it comes first, then the first breaching call it leads to; else the call where the error enters."""
     fd = result.first_divergence
-    first = result.checklist_first
+    first = result.verdict.checklist
     lines: list[str] = []
     if first is not None:
         lines = [f"first divergence: {first.headline(result.several_ranks)}"]
@@ -256,19 +256,6 @@ def trend_lines(result: CompareResult) -> list[str]:
     return lines
 
 
-def trend_only(result: CompareResult) -> bool:
-    """Whether the trend alone fails the compare (the dumped steps agree within the API thresholds)."""
-    t = result.trend
-    return (
-        t is not None
-        and not t.passed
-        and not result.missing
-        and result.coverage.passed
-        and not result.failures
-        and not (result.self_check and result.out_of_line)
-    )
-
-
 def trend_only_lines(result: CompareResult, steps: list[int], scope: str) -> list[str]:
     """The head of the failure message of a trend that differs while the dumped steps agree."""
     t = result.trend
@@ -297,7 +284,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         scope += f", step(s) {', '.join(map(str, steps))}"
     if ranks:
         scope += f", rank(s) {', '.join(map(str, ranks))}"
-    status = "PASSED" if result.passed else "FAILED"
+    status = "PASSED" if result.verdict.passed else "FAILED"
     lines = [
         f"pytest-msprobe compare: {status} ({result.mode} mode, {scope}): {c['rows']} rows: {c['pass']} pass, "
         f"{c['warning']} warning, {c['error']} error, {c['unmatched']} unmatched, {c['skipped']} skipped; "
@@ -353,7 +340,7 @@ def failure_message(
         else:
             lines.append(f"of what was compared, {counts}")
         lines.extend(trend_lines(result))
-    elif trend_only(result):  # the API compare passed: the trend's difference is the failure
+    elif result.verdict.trend_only:  # the API compare passed: the trend's difference is the failure
         lines = trend_only_lines(result, steps, f"{c['apis']} API calls, {result.mode} mode")
     else:
         lines = [f"msprobe: {lacking}{checklist_headline(result)}{counts}", *trend_lines(result)]
