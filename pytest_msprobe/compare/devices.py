@@ -28,7 +28,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from pytest_msprobe.compare.divergence import inputs_matcher
-from pytest_msprobe.compare.rows import ERROR, WARNING, ApiResult, Overflow, OwnVerdict, RowResult
+from pytest_msprobe.compare.rows import ERROR, WARNING, ApiResult, Overflow, OwnErrorVerdict, RowResult
 
 DRIFT = "drift across devices"
 
@@ -88,7 +88,7 @@ def judge_across(
     peers: Mapping[int, Sequence[int]],
     opaque: Collection[int],
     noise: Collection[int],
-    own: Mapping[int, OwnVerdict],
+    own: Mapping[int, OwnErrorVerdict],
     relations: Mapping[int, str],
     overflow: Overflow | None,
 ) -> AcrossDevices:

@@ -9,7 +9,7 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
    call made, or its own output): whatever else breaches, an overflow is where to look first.
 
 0. *out of line*: where calls have own errors (each call's output against the float64 replay of its own
-   inputs, see :mod:`pytest_msprobe.compare.own`), the earliest call whose own error is out of line, at any
+   inputs, see :mod:`pytest_msprobe.compare.self_check`), the earliest call whose own error is out of line, at any
    step and whatever flowed into it, unless rule 1 finds a call without own errors earlier.
 1. *enters*: the earliest call whose outputs breach while its inputs match (every input within a tenth of its
    tolerance, and of its output's where that is tighter, as a float32 loss's of bfloat16 logits: an input close
@@ -73,7 +73,7 @@ from pytest_msprobe.compare.rows import (
     UNMATCHED,
     ApiResult,
     Overflow,
-    OwnVerdict,
+    OwnErrorVerdict,
     RowResult,
     fmt_number,
     shape_differs,
@@ -101,7 +101,7 @@ def first_divergence(
     opaque: Collection[int] = (),
     peers: Mapping[int, Sequence[int]] | None = None,
     structural: Mapping[int, int] | None = None,
-    own: Mapping[int, OwnVerdict] | None = None,
+    own: Mapping[int, OwnErrorVerdict] | None = None,
     self_check: bool = False,
     noise: Collection[int] = (),
     relations: Mapping[int, str] | None = None,
@@ -326,7 +326,7 @@ def _earliest(apis: Sequence[ApiResult], *found: Divergence | None) -> Divergenc
 
 
 def _inconsistent(
-    calls: Calls, breaching: list[int], relations: Mapping[int, str], own: Mapping[int, OwnVerdict]
+    calls: Calls, breaching: list[int], relations: Mapping[int, str], own: Mapping[int, OwnErrorVerdict]
 ) -> Divergence | None:
     for i in breaching:
         if i in relations and i not in own:
@@ -363,7 +363,7 @@ def _dtype(leaf: Leaf | None) -> str | None:
     return None if leaf is None else leaf.dtype
 
 
-def _out_of_line(calls: Calls, i: int, v: OwnVerdict) -> Divergence:
+def _out_of_line(calls: Calls, i: int, v: OwnErrorVerdict) -> Divergence:
     base = v.baseline
     theirs = (
         f"; the baseline's own error: {own_summary(base)}"
@@ -387,7 +387,7 @@ def own_summary(err: OwnError | None) -> str:
     )
 
 
-def _rounding(calls: Calls, found: Divergence, own: Mapping[int, OwnVerdict]) -> Divergence:
+def _rounding(calls: Calls, found: Divergence, own: Mapping[int, OwnErrorVerdict]) -> Divergence:
     """``found`` (rule 1 or 3) renamed for what it is when its call's own error is in line and none is out
     of line: the difference builds up from rounding."""
     v = own.get(found.api_index)

@@ -47,7 +47,7 @@ from pytest_msprobe.compare.rows import WARNING as WARNING
 from pytest_msprobe.compare.rows import ApiResult as ApiResult
 from pytest_msprobe.compare.rows import DumpPair as DumpPair
 from pytest_msprobe.compare.rows import Overflow as Overflow
-from pytest_msprobe.compare.rows import OwnVerdict as OwnVerdict
+from pytest_msprobe.compare.rows import OwnErrorVerdict as OwnErrorVerdict
 from pytest_msprobe.compare.rows import RowResult as RowResult
 from pytest_msprobe.compare.rows import RowSide as RowSide
 from pytest_msprobe.compare.rows import SelfCheckCall as SelfCheckCall
@@ -140,7 +140,7 @@ class CompareResult:
     # stack may differ between steps (an optimizer's first step has no momentum buffer yet)
     pair_stacks: tuple[dict[str, tuple[str, ...]], ...] = ()
     missing: tuple[str, ...] = ()  # the unpaired dumps that only the baseline has: they fail the compare
-    own: dict[int, OwnVerdict] = field(default_factory=dict)  # apis index -> own errors, where there are
+    own: dict[int, OwnErrorVerdict] = field(default_factory=dict)  # apis index -> own errors, where there are
     self_check: bool = False  # whether an out-of-line call fails the compare (the self-check was asked for)
     checklist: ChecklistResult | None = None  # what differs before any call: data, weights, settings
     overflow: Overflow | None = (

@@ -83,7 +83,7 @@ class ApiResult:
 
 
 @dataclass(frozen=True)
-class OwnVerdict:
+class OwnErrorVerdict:
     """A call's own error (its output against the float64 replay of its own inputs) on both sides, and
     whether the target's is out of line: beyond its dtype's standard and, where the baseline has its own
     error too, beyond the baseline's by the standard's ratios. ``target``/``baseline`` are the worst
@@ -188,7 +188,7 @@ class SelfCheckCall:
     name: str
     step: int | None
     rank: int | None
-    own: OwnVerdict
+    own: OwnErrorVerdict
     stack: tuple[str, ...] = ()  # where the call was made (its stack.json frames), for the message
 
 

@@ -34,7 +34,6 @@ from pytest_msprobe.compare.explain import (
 from pytest_msprobe.compare.modules import place_calls
 from pytest_msprobe.compare.optimizer import plan_updates
 from pytest_msprobe.compare.overflow import compare_overflow
-from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts, replay_wanted
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
 from pytest_msprobe.compare.records import OUTPUT, Dump, read_dump, read_stack
 from pytest_msprobe.compare.result import (
@@ -49,6 +48,12 @@ from pytest_msprobe.compare.result import (
     Overflow,
     PairCoverage,
     RowResult,
+)
+from pytest_msprobe.compare.self_check import (
+    NO_OWN_ERRORS,
+    load_own_errors,
+    own_error_verdicts,
+    replay_wanted,
 )
 from pytest_msprobe.compare.stat_relations import broken
 from pytest_msprobe.compare.thresholds import Thresholds
@@ -85,7 +90,7 @@ def compare(
     first divergence's stack is always attached.
 
     Own errors (each call's output against the float64 replay of its own inputs, see
-    :mod:`pytest_msprobe.compare.own`) are read from each dump's ``self_check.json``, or, in tensor mode with
+    :mod:`pytest_msprobe.compare.self_check`) are read from each dump's ``self_check.json``, or, in tensor mode with
     ``replay``, computed by replaying the dumps' tensors; the first divergence uses them where they exist.
     ``replay`` is ``"auto"`` (True): the calls whose own errors can change the verdict, those beyond a threshold
     and the calls they read (every call across devices or with ``self_check``, where each call's own error is
@@ -154,16 +159,16 @@ def compare(
     b_only: Sequence[set[str] | None] = [None] * len(pairs)
     if tensors and replay == "auto" and why is None and not self_check:
         t_only, b_only = replay_wanted(apis, feeds, len(pairs))
-    t_own = [load_own(t_loc.path, tensors, only) for (t_loc, _), only in zip(pairs, t_only)]
+    t_own = [load_own_errors(t_loc.path, tensors, only) for (t_loc, _), only in zip(pairs, t_only)]
     if self_check:
         for (t_loc, _), own_of in zip(pairs, t_own):
             if own_of is None:
                 raise DumpFormatError(t_loc.path, f"no {SELF_CHECK_JSON} beside it: {NO_OWN_ERRORS}")
     b_own = [
-        load_own(b_loc.path, tensors, only) if found is not None else None
+        load_own_errors(b_loc.path, tensors, only) if found is not None else None
         for (_, b_loc), found, only in zip(pairs, t_own, b_only)
     ]
-    own = own_verdicts(apis, t_own, b_own, thresholds)
+    own = own_error_verdicts(apis, t_own, b_own, thresholds)
     noise, relations = noise_rows(rows, thresholds), relation_breaks(apis, rows)
     across = None
     if why is not None:  # values that drift fail nothing: own errors and evidence judge

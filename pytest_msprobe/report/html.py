@@ -16,7 +16,7 @@ from typing import Any
 
 from pytest_msprobe.compare.result import ERROR, CompareResult, TrendResult
 from pytest_msprobe.report.links import Links
-from pytest_msprobe.report.own import own_html
+from pytest_msprobe.report.self_check import own_error_html
 from pytest_msprobe.report.text import divergence_site, place, row_what
 
 _FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)
@@ -322,7 +322,7 @@ def html_fragment(
     if trend:
         parts.append(trend)
     parts.append(f'<pre class="msprobe-advisor" style="white-space: pre-wrap">{html.escape(advisor)}</pre>')
-    own = own_html(result)
+    own = own_error_html(result)
     if own:
         parts.append(own)
     failing = [r for r in result.worst_rows(max_rows) if r.status == ERROR]

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Overflow
-from pytest_msprobe.report.own import own_summary_dict
+from pytest_msprobe.report.self_check import self_check_dict
 
 
 def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict[str, Any]:
@@ -142,7 +142,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         "set_aside": list(result.set_aside),
         "ranks": rank_summaries(result),
         "counts": result.counts(),
-        "self_check": own_summary_dict(result),
+        "self_check": self_check_dict(result),
         "trend": trend_dict(result),
         "checklist": result.checklist.to_dict() if result.checklist is not None else None,
         "across": result.across.to_dict() if result.across is not None else None,

@@ -31,7 +31,7 @@ from pytest_msprobe.compare.result import (
 )
 from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.options import BY_NAME
-from pytest_msprobe.report.own import own_line
+from pytest_msprobe.report.self_check import own_error_line
 from pytest_msprobe.report.summary import rank_summaries
 
 # ------------------------------------------------------------------------------------------ shared pieces
@@ -298,7 +298,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
     by_rank = rank_line(result)
     if by_rank:
         lines.append(by_rank)
-    own = own_line(result)
+    own = own_error_line(result)
     if own:
         lines.append(own)
     # the console ranks only rows with a measured error: its table is of numbers
@@ -352,7 +352,7 @@ def failure_message(
     by_rank = rank_line(result)
     if by_rank:
         lines.append(by_rank)
-    own = own_line(result)
+    own = own_error_line(result)
     if own:
         lines.append(own)
     if result.missing:
