@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_msprobe.compare.metrics import STAT_NAMES
-from pytest_msprobe.compare.rows import ApiResult, RowResult, row_metric
-from pytest_msprobe.compare.rules import Divergence
+from pytest_msprobe.compare.diagnosis import Divergence
+from pytest_msprobe.compare.judging import STAT_NAMES, ApiResult, RowResult, row_metric
 
 # the tensor metrics of a row, as row_records names its columns (TensorMetrics' own field names)
 _TENSOR_COLUMNS = (

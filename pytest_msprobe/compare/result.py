@@ -13,75 +13,157 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_msprobe.compare import frame
-from pytest_msprobe.compare.checklist import SETTING as SETTING  # (for the reports)
-from pytest_msprobe.compare.checklist import ChecklistResult, Difference
-from pytest_msprobe.compare.coverage import UNMATCHED_CAUSES as UNMATCHED_CAUSES
-from pytest_msprobe.compare.coverage import Coverage as Coverage
-from pytest_msprobe.compare.coverage import PairCoverage as PairCoverage
-from pytest_msprobe.compare.coverage import unmatched_share as unmatched_share
-from pytest_msprobe.compare.devices import AcrossDevices as AcrossDevices
-from pytest_msprobe.compare.metrics import STAT_NAMES as STAT_NAMES
-from pytest_msprobe.compare.metrics import StatMetrics as StatMetrics
-from pytest_msprobe.compare.metrics import TensorMetrics as TensorMetrics
-from pytest_msprobe.compare.metrics import is_mask_fill as is_mask_fill  # (for the reports)
-from pytest_msprobe.compare.modules import OPTIMIZER_MODULE as OPTIMIZER_MODULE
-from pytest_msprobe.compare.modules import OUTSIDE_MODULES as OUTSIDE_MODULES
-from pytest_msprobe.compare.modules import UNKNOWN_MODULE as UNKNOWN_MODULE
-from pytest_msprobe.compare.modules import Modules as Modules
-from pytest_msprobe.compare.rank_order import collective_op
-from pytest_msprobe.compare.records import OUTPUT, Leaf
-from pytest_msprobe.compare.rows import DTYPE as DTYPE
-from pytest_msprobe.compare.rows import ERROR as ERROR
-from pytest_msprobe.compare.rows import NONFINITE as NONFINITE
-from pytest_msprobe.compare.rows import OVERFLOW_INPUT as OVERFLOW_INPUT
-from pytest_msprobe.compare.rows import OVERFLOW_OUTPUT as OVERFLOW_OUTPUT
-from pytest_msprobe.compare.rows import OVERFLOW_PARAMETER as OVERFLOW_PARAMETER
-from pytest_msprobe.compare.rows import OVERFLOW_PLACES as OVERFLOW_PLACES
-from pytest_msprobe.compare.rows import PASS as PASS
-from pytest_msprobe.compare.rows import SHAPE as SHAPE
-from pytest_msprobe.compare.rows import SKIPPED as SKIPPED
-from pytest_msprobe.compare.rows import STATUSES as STATUSES
-from pytest_msprobe.compare.rows import UNMATCHED as UNMATCHED
-from pytest_msprobe.compare.rows import UNUSABLE as UNUSABLE
-from pytest_msprobe.compare.rows import WARNING as WARNING
-from pytest_msprobe.compare.rows import ApiResult as ApiResult
-from pytest_msprobe.compare.rows import DumpPair as DumpPair
-from pytest_msprobe.compare.rows import Overflow as Overflow
-from pytest_msprobe.compare.rows import OwnErrorVerdict as OwnErrorVerdict
-from pytest_msprobe.compare.rows import RowResult as RowResult
-from pytest_msprobe.compare.rows import RowSide as RowSide
-from pytest_msprobe.compare.rows import SelfCheckCall as SelfCheckCall
-from pytest_msprobe.compare.rows import SelfCheckResult as SelfCheckResult
-from pytest_msprobe.compare.rows import fmt_number as fmt_number
-from pytest_msprobe.compare.rows import is_none as is_none
-from pytest_msprobe.compare.rows import is_tensor as is_tensor
-from pytest_msprobe.compare.rows import row_metric as row_metric
-from pytest_msprobe.compare.rows import shape_differs as shape_differs
-from pytest_msprobe.compare.rows import worst as worst
-from pytest_msprobe.compare.rules import BUFFER_SOURCE as BUFFER_SOURCE
-from pytest_msprobe.compare.rules import DATA_SOURCE as DATA_SOURCE
-from pytest_msprobe.compare.rules import ENTERS as ENTERS
-from pytest_msprobe.compare.rules import GROWS as GROWS
-from pytest_msprobe.compare.rules import INCONSISTENT as INCONSISTENT
-from pytest_msprobe.compare.rules import INHERITED as INHERITED
-from pytest_msprobe.compare.rules import OUT_OF_LINE as OUT_OF_LINE
-from pytest_msprobe.compare.rules import OVERFLOW as OVERFLOW
-from pytest_msprobe.compare.rules import PARAMETER_SOURCE as PARAMETER_SOURCE
-from pytest_msprobe.compare.rules import ROUNDING as ROUNDING
-from pytest_msprobe.compare.rules import RULES as RULES
-from pytest_msprobe.compare.rules import SOURCE as SOURCE
-from pytest_msprobe.compare.rules import SOURCE_KINDS as SOURCE_KINDS
-from pytest_msprobe.compare.rules import STRUCTURAL as STRUCTURAL
-from pytest_msprobe.compare.rules import UNRECORDED_SOURCE as UNRECORDED_SOURCE
-from pytest_msprobe.compare.rules import Divergence as Divergence
-from pytest_msprobe.compare.thresholds import Thresholds
-from pytest_msprobe.compare.thresholds import is_integral as is_integral  # (for the reports)
-from pytest_msprobe.compare.thresholds import normalize_dtype as normalize_dtype  # (for the reports)
-from pytest_msprobe.compare.trend_result import GRAD_NORM as GRAD_NORM
-from pytest_msprobe.compare.trend_result import LOSS as LOSS
-from pytest_msprobe.compare.trend_result import TrendResult as TrendResult
-from pytest_msprobe.compare.trend_result import TrendRow as TrendRow
-from pytest_msprobe.compare.trend_result import tolerance_text as tolerance_text
+from pytest_msprobe.compare.alignment import (
+    UNMATCHED_CAUSES,
+    Coverage,
+    PairCoverage,
+    collective_op,
+    unmatched_share,
+)
+from pytest_msprobe.compare.checklist import SETTING, ChecklistResult, Difference
+from pytest_msprobe.compare.diagnosis import (
+    BUFFER_SOURCE,
+    DATA_SOURCE,
+    ENTERS,
+    GROWS,
+    INCONSISTENT,
+    INHERITED,
+    OUT_OF_LINE,
+    OVERFLOW,
+    PARAMETER_SOURCE,
+    ROUNDING,
+    RULES,
+    SOURCE,
+    SOURCE_KINDS,
+    STRUCTURAL,
+    UNRECORDED_SOURCE,
+    AcrossDevices,
+    Divergence,
+)
+from pytest_msprobe.compare.dumps import (
+    OPTIMIZER_MODULE,
+    OUTPUT,
+    OUTSIDE_MODULES,
+    UNKNOWN_MODULE,
+    Leaf,
+    Modules,
+)
+from pytest_msprobe.compare.judging import (
+    DTYPE,
+    ERROR,
+    NONFINITE,
+    OVERFLOW_INPUT,
+    OVERFLOW_OUTPUT,
+    OVERFLOW_PARAMETER,
+    OVERFLOW_PLACES,
+    PASS,
+    SHAPE,
+    SKIPPED,
+    STAT_NAMES,
+    STATUSES,
+    UNMATCHED,
+    UNUSABLE,
+    WARNING,
+    ApiResult,
+    DumpPair,
+    Overflow,
+    OwnErrorVerdict,
+    RowResult,
+    RowSide,
+    SelfCheckCall,
+    SelfCheckResult,
+    StatMetrics,
+    TensorMetrics,
+    fmt_number,
+    is_mask_fill,
+    is_none,
+    is_tensor,
+    row_metric,
+    shape_differs,
+    worst,
+)
+from pytest_msprobe.compare.thresholds import Thresholds, is_integral, normalize_dtype
+from pytest_msprobe.compare.trend import GRAD_NORM, LOSS, TrendResult, TrendRow, tolerance_text
+
+# the reports read every type of the compare here (report/ imports this module only)
+__all__ = [
+    "BUFFER_SOURCE",
+    "CAUSES",
+    "CAUSE_CALL",
+    "CAUSE_CHECKLIST",
+    "CAUSE_COVERAGE",
+    "CAUSE_MISSING",
+    "CAUSE_OVERFLOW",
+    "CAUSE_SETTING",
+    "CAUSE_TREND",
+    "DATA_SOURCE",
+    "DTYPE",
+    "ENTERS",
+    "ERROR",
+    "GRAD_NORM",
+    "GROWS",
+    "INCONSISTENT",
+    "INHERITED",
+    "LOSS",
+    "NONFINITE",
+    "OPTIMIZER_MODULE",
+    "OUTSIDE_MODULES",
+    "OUT_OF_LINE",
+    "OVERFLOW",
+    "OVERFLOW_INPUT",
+    "OVERFLOW_OUTPUT",
+    "OVERFLOW_PARAMETER",
+    "OVERFLOW_PLACES",
+    "PARAMETER_SOURCE",
+    "PASS",
+    "ROUNDING",
+    "RULES",
+    "SETTING",
+    "SHAPE",
+    "SKIPPED",
+    "SOURCE",
+    "SOURCE_KINDS",
+    "STATUSES",
+    "STAT_NAMES",
+    "STRUCTURAL",
+    "UNKNOWN_MODULE",
+    "UNMATCHED",
+    "UNMATCHED_CAUSES",
+    "UNRECORDED_SOURCE",
+    "UNUSABLE",
+    "WARNING",
+    "AcrossDevices",
+    "ApiResult",
+    "CompareResult",
+    "Coverage",
+    "Divergence",
+    "DumpPair",
+    "Modules",
+    "Overflow",
+    "OwnErrorVerdict",
+    "PairCoverage",
+    "RowResult",
+    "RowSide",
+    "SelfCheckCall",
+    "SelfCheckResult",
+    "StatMetrics",
+    "TensorMetrics",
+    "TrendResult",
+    "TrendRow",
+    "Verdict",
+    "collective",
+    "fmt_number",
+    "is_integral",
+    "is_mask_fill",
+    "is_none",
+    "is_tensor",
+    "normalize_dtype",
+    "row_metric",
+    "shape_differs",
+    "tolerance_text",
+    "unmatched_share",
+    "worst",
+]
 
 # what comes first in a compare (Verdict.cause): a checklist difference (a numerics setting, or data, weights,
 # hyperparameters, structure), else the first divergence among the calls (an overflow, or another call), else

@@ -1,7 +1,7 @@
 """The model view of a compare: one standalone HTML page (no network, no external files; it opens from disk).
 
 It shows the model's module tree (from construct.json at L0/mix, from the call stacks at L1: see
-:mod:`pytest_msprobe.compare.modules`) with every node coloured by the worst error of the calls made in it
+:mod:`pytest_msprobe.compare.dumps.modules`) with every node coloured by the worst error of the calls made in it
 (error / allowed of their rows, :func:`pytest_msprobe.report.html.api_ratios`), the first divergence's node
 highlighted and opened, a search over nodes and calls, and a call's rows on click; a selector picks the step
 and the rank where a compare has several. The data is embedded as JSON and the tree is drawn as it is opened,

@@ -16,7 +16,7 @@ import pytest
 from compare_helpers import dump_dir
 
 from pytest_msprobe import compare
-from pytest_msprobe.compare.self_check import check_dump, own_error_verdict
+from pytest_msprobe.compare.judging.self_check import check_dump, own_error_verdict
 from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, thresholds_from_dict
 from pytest_msprobe.errors import ConfigError, DumpFormatError
 from pytest_msprobe.format.own_errors import (

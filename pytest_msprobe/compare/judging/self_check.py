@@ -22,9 +22,9 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
-from pytest_msprobe.compare.overflow import CallView, dump_overflow, entry_views
-from pytest_msprobe.compare.records import read_dump, read_stack
-from pytest_msprobe.compare.rows import (
+from pytest_msprobe.compare.dumps import read_dump, read_stack
+from pytest_msprobe.compare.judging.overflow import CallView, dump_overflow, entry_views
+from pytest_msprobe.compare.judging.rows import (
     ERROR,
     WARNING,
     ApiResult,
@@ -205,7 +205,7 @@ def check_dump(path: str | os.PathLike[str], thresholds: Thresholds | None = Non
     Every dump.json of ``path`` must have its ``self_check.json`` (written with ``--msprobe-self-check``):
     one without it raises DumpFormatError naming it, since a gate that checked only part of the run would
     pass for the wrong reason. The first call whose output holds inf/nan (see
-    :mod:`pytest_msprobe.compare.overflow`) fails the check too (``SelfCheckResult.overflow``).
+    :mod:`pytest_msprobe.compare.judging.overflow`) fails the check too (``SelfCheckResult.overflow``).
 
         >>> check_dump("out/dump").out_of_line[0].name     # doctest: +SKIP
         'Functional.relu.2.forward'

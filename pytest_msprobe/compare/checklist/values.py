@@ -1,5 +1,5 @@
 """The checklist's values: the weights, buffers and batch of two runs' checklists held to each other (see
-:mod:`pytest_msprobe.compare.checklist` for how)."""
+:mod:`pytest_msprobe.compare.checklist.differences` for how)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.compare.checklist import DATA, Difference, same_value, value_text
+from pytest_msprobe.compare.checklist.differences import DATA, Difference, same_value, value_text
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, decode_number
 from pytest_msprobe.format.files import read_json

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeGuard
 
-from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetrics
-from pytest_msprobe.compare.records import NONE, TENSOR, Leaf
+from pytest_msprobe.compare.dumps import NONE, TENSOR, Leaf
+from pytest_msprobe.compare.judging.metrics import STAT_NAMES, StatMetrics, TensorMetrics
 from pytest_msprobe.format.own_errors import OwnError
 
 PASS, WARNING, ERROR, UNMATCHED, SKIPPED = "pass", "warning", "error", "unmatched", "skipped"
@@ -74,7 +74,7 @@ class ApiResult:
     row_stop: int
     worst_row: int | None  # index into rows of the row the reason is about
     pair: int = 0  # index into CompareResult.pairs
-    # where in the model it was made: module path, outermost first (see pytest_msprobe.compare.modules)
+    # where in the model it was made: module path, outermost first (see pytest_msprobe.compare.dumps.modules)
     module: tuple[str, ...] = ()
 
     @property

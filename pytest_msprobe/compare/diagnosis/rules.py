@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # the rules that place the first divergence (Divergence.rule), in the order they are tried; see
-# pytest_msprobe.compare.divergence
+# pytest_msprobe.compare.diagnosis.divergence
 OUT_OF_LINE = "out of line"  # the earliest call whose own error (against its float64 replay) is out of line
 ENTERS = "enters"  # the earliest call whose outputs breach while its inputs match
 SOURCE = "source"  # the earliest call that reads an input no recorded call made, and that differs

@@ -49,10 +49,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.overflow import WEIGHT_INPUTS
-from pytest_msprobe.compare.records import INPUT, OUTPUT, TENSOR, Leaf
-from pytest_msprobe.compare.rows import ERROR, UNMATCHED, ApiResult, RowResult
-from pytest_msprobe.compare.rules import BUFFER_SOURCE, DATA_SOURCE, PARAMETER_SOURCE, UNRECORDED_SOURCE
+from pytest_msprobe.compare.diagnosis.rules import (
+    BUFFER_SOURCE,
+    DATA_SOURCE,
+    PARAMETER_SOURCE,
+    UNRECORDED_SOURCE,
+)
+from pytest_msprobe.compare.dumps import INPUT, OUTPUT, TENSOR, Leaf
+from pytest_msprobe.compare.judging import ERROR, UNMATCHED, WEIGHT_INPUTS, ApiResult, RowResult
 from pytest_msprobe.format.names import parse_name
 
 PARAMETER, BUFFER, DATA, UNRECORDED = PARAMETER_SOURCE, BUFFER_SOURCE, DATA_SOURCE, UNRECORDED_SOURCE
