@@ -71,18 +71,14 @@ def overflow_dict(ov: Overflow | None) -> dict[str, Any] | None:
     """summary.json's ``overflow``: the first call that overflows on the target only, None when none does."""
     if ov is None:
         return None
-    return {
-        "api": ov.api,
-        "step": ov.step,
-        "rank": ov.rank,
-        "where": ov.where,
-        "row": ov.row,
-        "output_row": ov.output_row,
-        "values": ov.values,
-        "dtype": ov.dtype,
-        "source": ov.source,
-        "reason": ov.reason,
-    }
+    return _fields(
+        ov, "api", "step", "rank", "where", "row", "output_row", "values", "dtype", "source", "reason"
+    )
+
+
+def _fields(obj: object, *names: str) -> dict[str, Any]:
+    """Some of an object's attributes as summary.json's keys, in the order given."""
+    return {name: getattr(obj, name) for name in names}
 
 
 def _number(x: float | None) -> float | str | None:
@@ -99,15 +95,8 @@ def trend_dict(result: CompareResult) -> dict[str, Any] | None:
     if t is None:
         return None
     return {
-        "passed": t.passed,
-        "steps": t.steps,
-        "dtype": t.dtype,
-        "rtol": t.rtol,
-        "first_step": t.first_step,
-        "quantity": t.quantity,
-        "target": _number(t.target),
-        "baseline": _number(t.baseline),
-        "difference": _number(t.difference),
+        **_fields(t, "passed", "steps", "dtype", "rtol", "first_step", "quantity"),
+        **{name: _number(getattr(t, name)) for name in ("target", "baseline", "difference")},
         "module": t.module,
         "module_values": None if t.module_values is None else [_number(v) for v in t.module_values],
         "rank": t.rank,

@@ -274,6 +274,14 @@ def trend_only_lines(result: CompareResult, steps: list[int], scope: str) -> lis
     return [f"msprobe: {trend[0]}", *trend[1:], why]
 
 
+def _where_lines(result: CompareResult) -> list[str]:
+    """The first divergence and why, the ranks where calls breach, and the calls whose own error is out of line:
+    the middle of the console summary and of the failure message."""
+    lines = divergence_lines(result)
+    lines.extend(line for line in (rank_line(result), own_error_line(result)) if line)
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------- the views
 def console_summary(result: CompareResult, reports: dict[str, str] | None = None, worst: int = 5) -> str:
     """A few lines for the terminal: headline with counts, the first divergence, the worst rows, the reports."""
@@ -294,13 +302,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
     if result.across is not None:
         lines.append(result.across.line())
     lines.append(compare_overflow_line(result))
-    lines.extend(divergence_lines(result))
-    by_rank = rank_line(result)
-    if by_rank:
-        lines.append(by_rank)
-    own = own_error_line(result)
-    if own:
-        lines.append(own)
+    lines.extend(_where_lines(result))
     # the console ranks only rows with a measured error: its table is of numbers
     measured = [r for r in result.ranked_errors if r.error is not None]
     if measured:
@@ -348,13 +350,7 @@ def failure_message(
         lines.append(result.across.line())
     if result.overflow is not None:
         lines.append(compare_overflow_line(result))
-    lines.extend(divergence_lines(result))
-    by_rank = rank_line(result)
-    if by_rank:
-        lines.append(by_rank)
-    own = own_error_line(result)
-    if own:
-        lines.append(own)
+    lines.extend(_where_lines(result))
     if result.missing:
         lines.append(f"missing in the target ({len(result.missing)} dump(s) the baseline has):")
         lines.extend(f"  {note}" for note in result.missing[:5])
