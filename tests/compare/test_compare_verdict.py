@@ -336,3 +336,22 @@ def test_a_float32_tensor_made_by_a_half_type_is_held_to_its_tolerance() -> None
     zeros = leaf(tensor([8], 0.0, 0.0, 0.0, 0.0))
     ones = leaf(tensor([8], 1.0, 0.5, 0.75, 2.0))
     assert carried_dtype(zeros, zeros) is None and carried_dtype(ones, zeros) is None  # nothing to tell it by
+
+
+def test_the_verdict_is_worked_out_once_and_names_what_comes_first(tmp_path: Path) -> None:
+    import shutil
+
+    from compare_helpers import dump_dir
+
+    from pytest_msprobe.compare.result import CAUSE_CALL, Verdict
+
+    bench = dump_dir("8.3.3", "bench", "stat_L1", 0)
+    faulty = compare(dump_dir("8.3.3", "npu", "stat_L1", 0), bench)
+    verdict = faulty.verdict
+    assert isinstance(verdict, Verdict) and faulty.verdict is verdict  # cached: every report reads this one
+    fd = faulty.first_divergence
+    assert fd is not None and not verdict.passed and verdict.cause == CAUSE_CALL
+    assert (verdict.text, verdict.api, verdict.row, verdict.divergence) == (fd.api, fd.api, fd.row, fd)
+    assert verdict.checklist is None and not verdict.trend_only and faulty.passed is verdict.passed
+    clean = compare(shutil.copytree(bench, tmp_path / "copy"), bench).verdict
+    assert clean.passed and clean.cause is None and clean.text == "" and clean.api is None
