@@ -93,7 +93,7 @@ def _run(model: str, case: str, task: str, path: Path, given: bool) -> None:
 
 
 def _named(result: object) -> tuple[str | None, str | None, int | None]:
-    first = result.checklist_first  # type: ignore[attr-defined]
+    first = result.verdict.checklist  # type: ignore[attr-defined]
     if first is not None:
         return first.kind, first.name, first.step
     fd = result.first_divergence  # type: ignore[attr-defined]

@@ -264,7 +264,9 @@ def _compare(check: Check, target: Path, baseline: Path, jobs: int) -> None:
     summary_first = first_divergence_dict(result)
     check.kind_named = summary_first["kind"] if summary_first is not None else None
     check.call_named = f"{fd.api}@{fd.step}" if fd is not None else None
-    first = result.checklist_first  # what the test's failure names first (none of the suite's faults is one)
+    first = (
+        result.verdict.checklist
+    )  # what the test's failure names first (none of the suite's faults is one)
     if first is not None:
         check.named = f"{first.kind} {first.name}@{first.step}"
         check.rule, check.row, check.reason = "checklist", first.name, first.detail

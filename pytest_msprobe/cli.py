@@ -302,7 +302,7 @@ def _from_compare_json(path: str) -> tuple[str, str, str | None]:
 
 
 def _run_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from pytest_msprobe.compare.records import read_stack_file
+    from pytest_msprobe.compare.dumps import read_stack_file
     from pytest_msprobe.compare.run import compare
     from pytest_msprobe.options import thresholds_from_options
     from pytest_msprobe.report import console_summary, write_reports
@@ -429,8 +429,7 @@ def _run_config_check(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from pytest_msprobe.compare.checklist_diff import compare_checklists
-    from pytest_msprobe.compare.checklist_settings import recorded_calls
+    from pytest_msprobe.compare.checklist import compare_checklists, recorded_calls
     from pytest_msprobe.compare.run import pair_locations
     from pytest_msprobe.compare.thresholds import Thresholds
     from pytest_msprobe.format.files import write_text

@@ -3,14 +3,21 @@
 Never imports torch (tensor files are read with numpy; torch only for files of its legacy format) nor pytest.
 The entry point is :func:`pytest_msprobe.compare.run.compare`; :func:`validate` checks a dump without
 comparing it.
+
+By feature, from the bottom up (each package's ``__init__`` names what the rest reads; nothing imports upwards):
+``thresholds`` (data), ``dumps/`` (reading a dump), ``judging/`` (metrics, row checks, overflow, the self-check,
+the judged rows and calls), ``alignment/`` (pairing the calls, coverage), ``trend/``, ``diagnosis/`` (the first
+divergence, devices), ``checklist/`` (what differs before any call); then ``build``, ``explain``, ``pool``, the
+row table (``frame``), ``result`` (the one result object and its :class:`~pytest_msprobe.compare.result.Verdict`)
+and ``run`` (the entry point).
 """
 
 from __future__ import annotations
 
+from pytest_msprobe.compare.dumps import DumpCheck, validate
 from pytest_msprobe.compare.result import ApiResult, CompareResult, Divergence, RowResult
 from pytest_msprobe.compare.run import compare
 from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
-from pytest_msprobe.compare.validate import DumpCheck, validate
 
 __all__ = [
     "ApiResult",

@@ -1,7 +1,7 @@
 """Build the rows and calls of a compare from aligned dump entries.
 
 A :class:`Builder` takes the aligned entries of one dump pair (step, rank) after another: every pair of records
-becomes a row, judged at once (:mod:`pytest_msprobe.compare.judge`) or, in tensor mode, once its tensor files
+becomes a row, judged at once (:mod:`pytest_msprobe.compare.judging.judge`) or, in tensor mode, once its tensor files
 are compared; every pair of entries becomes a call, linked to the calls whose tensors it also reads (a
 backward call to its forward call, a ``parameters_grad`` to its module's backward). :meth:`Builder.finish`
 turns them into the rows and calls of the result, each call with its verdict from its rows and its place in
@@ -14,9 +14,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pytest_msprobe.compare.align import Alignment
-from pytest_msprobe.compare.judge import (
+from pytest_msprobe.compare.alignment import (
+    DISTRIBUTED,
+    Alignment,
+    CallPlace,
+    collective_keys,
+    collective_peers,
+    execution_order,
+)
+from pytest_msprobe.compare.dumps import INPUT, OUTPUT, PARAMETER, ApiEntry, Dump, Leaf, tensor_path
+from pytest_msprobe.compare.judging import (
+    ERROR,
+    SKIPPED,
+    UNMATCHED,
+    WARNING,
+    ApiResult,
     Check,
+    DumpPair,
+    RowResult,
+    TensorMetrics,
     amend,
     carried_dtype,
     check_kinds,
@@ -25,24 +41,6 @@ from pytest_msprobe.compare.judge import (
     check_tensors,
     check_unmatched,
     finish,
-)
-from pytest_msprobe.compare.metrics import TensorMetrics
-from pytest_msprobe.compare.rank_order import (
-    DISTRIBUTED,
-    CallPlace,
-    collective_keys,
-    collective_peers,
-    execution_order,
-)
-from pytest_msprobe.compare.records import INPUT, OUTPUT, PARAMETER, ApiEntry, Dump, Leaf, tensor_path
-from pytest_msprobe.compare.result import (
-    ERROR,
-    SKIPPED,
-    UNMATCHED,
-    WARNING,
-    ApiResult,
-    DumpPair,
-    RowResult,
     worst,
 )
 from pytest_msprobe.compare.thresholds import Thresholds, Tolerance
@@ -89,7 +87,7 @@ class CallDraft:
     row_stop: int
     one_side: bool
     base: str = ""
-    module: tuple[str, ...] = ()  # where in the model it was made (pytest_msprobe.compare.modules)
+    module: tuple[str, ...] = ()  # where in the model it was made (pytest_msprobe.compare.dumps.modules)
 
 
 @dataclass

@@ -14,11 +14,8 @@ from typing import Any
 import numpy as np
 
 from pytest_msprobe.compare.build import Builder, Draft
-from pytest_msprobe.compare.judge import Check, amend, check_statistics
-from pytest_msprobe.compare.optimizer import PARAM_IN
-from pytest_msprobe.compare.records import OUTPUT, TENSOR, Leaf
-from pytest_msprobe.compare.result import ERROR, PASS, WARNING
-from pytest_msprobe.compare.tensors import open_tensor
+from pytest_msprobe.compare.dumps import OUTPUT, PARAM_IN, TENSOR, Leaf, open_tensor
+from pytest_msprobe.compare.judging import ERROR, PASS, WARNING, Check, amend, check_statistics
 from pytest_msprobe.compare.thresholds import Thresholds, normalize_dtype
 from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import TENSOR_DIR
@@ -77,7 +74,7 @@ def explain_structural(builder: Builder) -> None:
     The call that reads the one-side call's output is then a warning, not an error; the one-side call
     itself is reported as unmatched. When the difference really changes the numbers, it reaches the calls
     after that one through matched calls, and those still fail (the first divergence then names the
-    one-side call: see :mod:`pytest_msprobe.compare.divergence`). A tensor is recognised by its record (shape, dtype
+    one-side call: see :mod:`pytest_msprobe.compare.diagnosis.divergence`). A tensor is recognised by its record (shape, dtype
     and statistics), which the producing and the consuming call share within one dump.
     """
     produced: dict[tuple[int, str, tuple[Any, ...]], int] = {}
@@ -418,7 +415,7 @@ def explain_noise_carry(builder: Builder) -> None:
 def _written_row(api: Any) -> str | None:
     """The row of the tensor an update (of both sides) writes, as it was before: ``.input.0`` of an in-place
     tensor method (``add_``), ``.input.param`` of a parameter's update (``Optimizer.fc.weight.0.forward``, whatever
-    kernels made it: see :mod:`pytest_msprobe.compare.optimizer`); None for any other call."""
+    kernels made it: see :mod:`pytest_msprobe.compare.dumps.optimizer`); None for any other call."""
     if is_update(api.api):
         return PARAM_IN if not api.one_side and api.direction == FORWARD else None
     return ".input.0" if _in_place(api) and api.api.startswith("Tensor.") else None

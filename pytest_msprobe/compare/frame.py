@@ -3,13 +3,11 @@ sides' records, the statistics' differences, the tensor metrics and whether it i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from pytest_msprobe.compare.metrics import STAT_NAMES
-from pytest_msprobe.compare.result import row_metric
-
-if TYPE_CHECKING:
-    from pytest_msprobe.compare.result import CompareResult
+from pytest_msprobe.compare.diagnosis import Divergence
+from pytest_msprobe.compare.judging import STAT_NAMES, ApiResult, RowResult, row_metric
 
 # the tensor metrics of a row, as row_records names its columns (TensorMetrics' own field names)
 _TENSOR_COLUMNS = (
@@ -42,12 +40,14 @@ ROW_COLUMNS = (
 )
 
 
-def row_records(result: CompareResult) -> list[dict[str, Any]]:
-    """One record per compared row, its keys :data:`ROW_COLUMNS` (``None`` where a value is not there)."""
-    fd = result.first_divergence
+def row_records(
+    rows: Sequence[RowResult], apis: Sequence[ApiResult], fd: Divergence | None
+) -> list[dict[str, Any]]:
+    """One record per compared row of a compare (its rows, its calls, its first divergence), its keys
+    :data:`ROW_COLUMNS` (``None`` where a value is not there)."""
     records = []
-    for index, row in enumerate(result.rows):
-        api = result.apis[row.api_index]
+    for index, row in enumerate(rows):
+        api = apis[row.api_index]
         record: dict[str, Any] = {
             "step": api.step,
             "rank": api.rank,
@@ -87,7 +87,7 @@ def row_records(result: CompareResult) -> list[dict[str, Any]]:
     return records
 
 
-def to_pandas(result: CompareResult) -> Any:
+def to_pandas(rows: Sequence[RowResult], apis: Sequence[ApiResult], fd: Divergence | None) -> Any:
     """:func:`row_records` as a pandas DataFrame with the columns :data:`ROW_COLUMNS`, in order."""
     try:
         import pandas
@@ -95,4 +95,4 @@ def to_pandas(result: CompareResult) -> Any:
         raise ImportError(
             "CompareResult.to_pandas() needs pandas: pip install 'pytest-msprobe[pandas]'"
         ) from exc
-    return pandas.DataFrame.from_records(row_records(result), columns=ROW_COLUMNS)
+    return pandas.DataFrame.from_records(row_records(rows, apis, fd), columns=ROW_COLUMNS)

@@ -17,11 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_msprobe.compare.build import Builder, CallDraft, Draft, TensorRef
-from pytest_msprobe.compare.judge import Check
-from pytest_msprobe.compare.metrics import StatMetrics, TensorMetrics, tensor_metrics
-from pytest_msprobe.compare.records import Leaf
-from pytest_msprobe.compare.result import DumpPair
-from pytest_msprobe.compare.tensors import open_tensor
+from pytest_msprobe.compare.dumps import Leaf, open_tensor
+from pytest_msprobe.compare.judging import Check, DumpPair, StatMetrics, TensorMetrics, tensor_metrics
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import DumpLocation

@@ -16,13 +16,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.compare.align import align
+from pytest_msprobe.compare.alignment import align
 from pytest_msprobe.compare.build import Builder
-from pytest_msprobe.compare.checklist_diff import compare_checklists
-from pytest_msprobe.compare.checklist_records import from_records
-from pytest_msprobe.compare.checklist_settings import compared_calls
-from pytest_msprobe.compare.devices import judge_across
-from pytest_msprobe.compare.divergence import first_divergence
+from pytest_msprobe.compare.checklist import compare_checklists, compared_calls, from_records
+from pytest_msprobe.compare.diagnosis import first_divergence, judge_across
+from pytest_msprobe.compare.dumps import OUTPUT, Dump, place_calls, plan_updates, read_dump, read_stack
 from pytest_msprobe.compare.explain import (
     below_measure,
     explain_in_place,
@@ -31,12 +29,15 @@ from pytest_msprobe.compare.explain import (
     explain_noise_updates,
     explain_structural,
 )
-from pytest_msprobe.compare.modules import place_calls
-from pytest_msprobe.compare.optimizer import plan_updates
-from pytest_msprobe.compare.overflow import compare_overflow
-from pytest_msprobe.compare.own import NO_OWN_ERRORS, load_own, own_verdicts, replay_wanted
+from pytest_msprobe.compare.judging import (
+    NO_OWN_ERRORS,
+    broken,
+    compare_overflow,
+    load_own_errors,
+    own_error_verdicts,
+    replay_wanted,
+)
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
-from pytest_msprobe.compare.records import OUTPUT, Dump, read_dump, read_stack
 from pytest_msprobe.compare.result import (
     ERROR,
     NONFINITE,
@@ -50,7 +51,6 @@ from pytest_msprobe.compare.result import (
     PairCoverage,
     RowResult,
 )
-from pytest_msprobe.compare.stat_relations import broken
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import ConfigError, DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import DumpLocation, discover
@@ -85,7 +85,7 @@ def compare(
     first divergence's stack is always attached.
 
     Own errors (each call's output against the float64 replay of its own inputs, see
-    :mod:`pytest_msprobe.compare.own`) are read from each dump's ``self_check.json``, or, in tensor mode with
+    :mod:`pytest_msprobe.compare.judging.self_check`) are read from each dump's ``self_check.json``, or, in tensor mode with
     ``replay``, computed by replaying the dumps' tensors; the first divergence uses them where they exist.
     ``replay`` is ``"auto"`` (True): the calls whose own errors can change the verdict, those beyond a threshold
     and the calls they read (every call across devices or with ``self_check``, where each call's own error is
@@ -96,7 +96,7 @@ def compare(
     ``jobs`` processes (default: the CPUs this process may use) compare the dump pairs (step, rank), each pair
     whole in one process (parsing, alignment, statistics, tensor metrics); a single pair spreads its tensor
     files over them instead. The result is the same whatever ``jobs``. Calls are ordered across ranks through
-    the collectives they share (see :mod:`pytest_msprobe.compare.rank_order`), so the first divergence is the
+    the collectives they share (see :mod:`pytest_msprobe.compare.alignment.rank_order`), so the first divergence is the
     earliest over all ranks.
 
     ``steps`` compares only those steps of both sides (the others are neither compared nor missing): a
@@ -154,16 +154,16 @@ def compare(
     b_only: Sequence[set[str] | None] = [None] * len(pairs)
     if tensors and replay == "auto" and why is None and not self_check:
         t_only, b_only = replay_wanted(apis, feeds, len(pairs))
-    t_own = [load_own(t_loc.path, tensors, only) for (t_loc, _), only in zip(pairs, t_only)]
+    t_own = [load_own_errors(t_loc.path, tensors, only) for (t_loc, _), only in zip(pairs, t_only)]
     if self_check:
         for (t_loc, _), own_of in zip(pairs, t_own):
             if own_of is None:
                 raise DumpFormatError(t_loc.path, f"no {SELF_CHECK_JSON} beside it: {NO_OWN_ERRORS}")
     b_own = [
-        load_own(b_loc.path, tensors, only) if found is not None else None
+        load_own_errors(b_loc.path, tensors, only) if found is not None else None
         for (_, b_loc), found, only in zip(pairs, t_own, b_only)
     ]
-    own = own_verdicts(apis, t_own, b_own, thresholds)
+    own = own_error_verdicts(apis, t_own, b_own, thresholds)
     noise, relations = noise_rows(rows, thresholds), relation_breaks(apis, rows)
     across = None
     if why is not None:  # values that drift fail nothing: own errors and evidence judge
@@ -257,7 +257,7 @@ def noise_rows(rows: Sequence[RowResult], thresholds: Thresholds) -> frozenset[i
 
 def relation_breaks(apis: Sequence[ApiResult], rows: Sequence[RowResult]) -> dict[int, str]:
     """The breaching calls whose statistics break on the target a relation their inputs' statistics fix
-    (see :mod:`pytest_msprobe.compare.stat_relations`) and keep on the baseline: call index -> how."""
+    (see :mod:`pytest_msprobe.compare.judging.stat_relations`) and keep on the baseline: call index -> how."""
     found = {}
     for i, api in enumerate(apis):
         if not api.output_breach:

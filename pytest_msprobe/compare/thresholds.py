@@ -1,10 +1,10 @@
 """Thresholds as data: a dtype table and per-API overrides (set by :mod:`pytest_msprobe.options`).
 
 The compare judges every row by its **scaled error**, a difference measured against the size of the tensor it
-belongs to (see :mod:`pytest_msprobe.compare.metrics`): in statistics mode the largest difference of Max, Min,
+belongs to (see :mod:`pytest_msprobe.compare.judging.metrics`): in statistics mode the largest difference of Max, Min,
 Mean (divided by the tensor's range) and Norm (divided by the larger norm); in tensor mode RelL2Err (EucDist /
 norm: the error of the tensor as a whole; of the values outside a mask fill that sets the tensor's scale, see
-:mod:`pytest_msprobe.compare.metrics`). A row is an **error** above the ``error`` tolerance of its dtype, a
+:mod:`pytest_msprobe.compare.judging.metrics`). A row is an **error** above the ``error`` tolerance of its dtype, a
 **warning** above ``warning``; absolute differences at or below ``atol`` never count (they are below what the
 dtype can hold for values that small). ScaledMaxAbsErr (MaxAbsErr / largest magnitude) above the error
 tolerance while RelL2Err is within it is a warning: a few elements off is what an element-wise division by a

@@ -249,22 +249,16 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     item.stash[OUTCOME_KEY] = outcome
     # on the item, so that the call and teardown reports (junitxml reads the latter) both carry them
     compared = outcome.result
-    fd = compared.first_divergence if compared is not None else None
+    decided = compared.verdict if compared is not None else None
     item.user_properties.append((VERDICT, outcome.kind))
-    first = compared.first_divergence_text() if compared is not None else ""
-    item.user_properties.append(("msprobe_first_divergence", first))
-    if compared is not None and compared.checklist_first is not None:
-        fd = None  # the rank below is the call's; a checklist difference names its own
-        # a setting: the rank of the first call it changes
-        if compared.checklist_first.kind == "setting" and compared.several_ranks:
-            item.user_properties.append(("msprobe_first_divergence_rank", compared.checklist_first.rank))
+    item.user_properties.append(("msprobe_first_divergence", decided.text if decided is not None else ""))
     context = compared.checklist.context_line() if compared is not None and compared.checklist else None
     if context:  # environment and versions: shown, never a failure on their own
         item.user_properties.append((CONTEXT, context))
     if outcome.self_check is not None and outcome.self_check.out_of_line:  # the self-check without a baseline
         item.user_properties.append((FIRST_OUT_OF_LINE, outcome.self_check.out_of_line[0].name))
-    if fd is not None and fd.rank is not None:  # a multi-rank dump: the rank the error entered on
-        item.user_properties.append(("msprobe_first_divergence_rank", fd.rank))
+    if decided is not None and decided.rank is not None:  # a multi-rank dump: the rank the error entered on
+        item.user_properties.append(("msprobe_first_divergence_rank", decided.rank))
     trend = outcome.result.trend if outcome.result is not None else None
     if trend is not None and trend.first_step is not None:  # where the loss or gradient norm first differs
         item.user_properties.append((TREND_STEP, trend.first_step))

@@ -20,7 +20,7 @@ from pytest_msprobe.format.files import atomic_path, write_text
 from pytest_msprobe.report.advisor import advisor_text
 from pytest_msprobe.report.model import model_html
 from pytest_msprobe.report.msprobe_csv import write_csv
-from pytest_msprobe.report.own import own_csv, own_rows, own_sheet, self_check_rows
+from pytest_msprobe.report.self_check import own_error_csv, own_error_rows, own_error_sheet, self_check_rows
 from pytest_msprobe.report.summary import summary_dict, summary_json
 from pytest_msprobe.report.table import api_sheet, compare_sheet
 from pytest_msprobe.report.text import console_summary
@@ -51,7 +51,7 @@ def write_reports(
         "summary": str(out / "summary.json"),
         "model": str(out / f"model_{result.timestamp}.html"),
     }
-    own = own_rows(result) if result.own else None
+    own = own_error_rows(result) if result.own else None
     if own is not None:
         paths["own_errors"] = str(out / OWN_CSV)
     current = str(out)
@@ -62,7 +62,7 @@ def write_reports(
             sheets = [
                 compare_sheet(result),
                 api_sheet(result),
-                *([own_sheet(own)] if own is not None else []),
+                *([own_error_sheet(own)] if own is not None else []),
             ]
             write_xlsx(pending.enter_context(atomic_path(current)), sheets)
             current = paths["csv"]
@@ -78,7 +78,7 @@ def write_reports(
             write_text(pending.enter_context(atomic_path(current)), model_html(result))
             if own is not None:
                 current = paths["own_errors"]
-                write_text(pending.enter_context(atomic_path(current)), own_csv(own))
+                write_text(pending.enter_context(atomic_path(current)), own_error_csv(own))
     except OSError as exc:
         raise ReportError(f"{current}: cannot write report ({exc.strerror or exc})") from None
     return paths
@@ -92,7 +92,7 @@ def write_self_check_report(result: SelfCheckResult, out_dir: str | os.PathLike[
     path = Path(out_dir) / OWN_CSV
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text(path, own_csv(self_check_rows(result)))
+        write_text(path, own_error_csv(self_check_rows(result)))
     except OSError as exc:
         raise ReportError(f"{path}: cannot write report ({exc.strerror or exc})") from None
     return {"own_errors": str(path)}

@@ -346,7 +346,7 @@ def coverage_advice(result: CompareResult) -> str | None:
 
 def _checklist_advisor(result: CompareResult) -> str | None:
     """The advisor of a compare whose first divergence is a checklist difference."""
-    first = result.checklist_first
+    first = result.verdict.checklist
     if first is None:
         return None
     fd = result.first_divergence

@@ -16,7 +16,7 @@ from typing import Any
 
 from pytest_msprobe.compare.result import ERROR, CompareResult, TrendResult
 from pytest_msprobe.report.links import Links
-from pytest_msprobe.report.own import own_html
+from pytest_msprobe.report.self_check import own_error_html
 from pytest_msprobe.report.text import divergence_site, place, row_what
 
 _FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)
@@ -46,7 +46,7 @@ def api_ratios(result: CompareResult) -> list[float | None]:
 
 def plot_title(result: CompareResult) -> str:
     """The plot's title: the verdict, and in a multi-rank compare the ranks and the first divergence's rank."""
-    title = f"{result.mode} compare: {'passed' if result.passed else 'FAILED'}"
+    title = f"{result.mode} compare: {'passed' if result.verdict.passed else 'FAILED'}"
     ranks = sorted({a.rank for a in result.apis if a.rank is not None})
     if len(ranks) > 1:
         title += f", ranks {', '.join(map(str, ranks))}"
@@ -356,10 +356,10 @@ def html_fragment(
     self-contained report); ``report_only``: the verdict does not fail the test, and the block says so.
     """
     c = result.counts()
-    failed = not result.passed and not report_only  # (the test fails: its log is the failure text)
+    failed = not result.verdict.passed and not report_only  # (the test fails: its log is the failure text)
     parts = [FRAGMENT_STYLE, f'<div class="msprobe{" msprobe-failed" if failed else ""}">']
-    verdict = "passed" if result.passed else "FAILED"
-    if report_only and not result.passed:
+    verdict = "passed" if result.verdict.passed else "FAILED"
+    if report_only and not result.verdict.passed:
         verdict += " (report-only: not failing the test)"
     parts.append(
         f"<p><b>msprobe {html.escape(result.mode)} compare {verdict}</b>: {c['apis_error']} of {c['apis']} API "
@@ -368,7 +368,7 @@ def html_fragment(
     if result.coverage.headline is not None:
         parts.append(f'<p class="msprobe-coverage"><b>{html.escape(result.coverage.headline)}</b></p>')
     fd = result.first_divergence
-    first = result.checklist_first
+    first = result.verdict.checklist
     if first is not None:
         parts.append(
             f'<p>First divergence: <b class="msprobe-first-divergence">{html.escape(first.kind)} '
@@ -390,7 +390,7 @@ def html_fragment(
     if trend:
         parts.append(trend)
     parts.append(advisor_html(advisor))
-    own = own_html(result)
+    own = own_error_html(result)
     if own:
         parts.append(own)
     failing = [r for r in result.worst_rows(max_rows) if r.status == ERROR]

@@ -1,7 +1,7 @@
 """The model view of a compare: one standalone HTML page (no network, no external files; it opens from disk).
 
 It shows the model's module tree (from construct.json at L0/mix, from the call stacks at L1: see
-:mod:`pytest_msprobe.compare.modules`) with every node coloured by the worst error of the calls made in it
+:mod:`pytest_msprobe.compare.dumps.modules`) with every node coloured by the worst error of the calls made in it
 (error / allowed of their rows, :func:`pytest_msprobe.report.html.api_ratios`), the first divergence's node
 highlighted and opened, a search over nodes and calls, and a call's rows on click; a selector picks the step
 and the rank where a compare has several. The data is embedded as JSON and the tree is drawn as it is opened,
@@ -108,7 +108,7 @@ def model_data(result: CompareResult) -> dict[str, Any]:
     fd = result.first_divergence
     counts = result.counts()
     return {
-        "title": f"{result.mode} compare: {'passed' if result.passed else 'FAILED'}",
+        "title": f"{result.mode} compare: {'passed' if result.verdict.passed else 'FAILED'}",
         "target": result.target,
         "baseline": result.baseline,
         "headline": (
@@ -135,7 +135,7 @@ def model_data(result: CompareResult) -> dict[str, Any]:
 
 
 def _checklist_first(result: CompareResult) -> str | None:
-    first = result.checklist_first
+    first = result.verdict.checklist
     if first is None:
         return None
     return f"{first.kind} {first.name} ({first.where}): {first.detail}"
@@ -147,7 +147,7 @@ def model_html(result: CompareResult) -> str:
     # inside <script>, "</" could end the element early: JSON allows the escaped form
     data = data.replace("</", "<\\/")
     title = html.escape(
-        f"msprobe model view: {result.mode} compare {'passed' if result.passed else 'FAILED'}"
+        f"msprobe model view: {result.mode} compare {'passed' if result.verdict.passed else 'FAILED'}"
     )
     return _PAGE.replace("__TITLE__", title).replace("__DATA__", data)
 

@@ -49,8 +49,8 @@ from pytest_msprobe.report.table import (
     data_name_cell,
     extra_columns,
     extra_values,
+    head_cells,
     md5_cell,
-    requires_grad_cell,
     stack_cells,
     stat_cells,
     tensor_cells,
@@ -133,16 +133,7 @@ def csv_row(result: CompareResult, row: RowResult, stack: str) -> list[Any]:
     """One row of the CSV."""
     t, b = row.target, row.baseline
     word = RESULT[row.status]
-    values: list[Any] = [
-        row.row if t is not None else NA,
-        row.bench_row if b is not None else NA,
-        _dtype(t),
-        _dtype(b),
-        _shape(t),
-        _shape(b),
-        requires_grad_cell(t),
-        requires_grad_cell(b),
-    ]
+    values = head_cells(row, _dtype, _shape)
     if result.mode == "statistics":
         diffs, rels = stat_cells(row)
         values += [*diffs, *rels, *_stats(t), *_stats(b)]

@@ -39,7 +39,7 @@ def result_fields(result: CompareResult) -> dict[str, Any]:
     """A compared test's first divergence (with its source line) and counts."""
     first = first_divergence_dict(result)
     if first is not None:
-        first = {**first, "text": result.first_divergence_text(), "source": divergence_site(result)}
+        first = {**first, "text": result.verdict.text, "source": divergence_site(result)}
     c = result.counts()
     counts = {
         "calls": c["apis"],

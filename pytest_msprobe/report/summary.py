@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Overflow
-from pytest_msprobe.report.own import own_summary_dict
+from pytest_msprobe.report.self_check import self_check_dict
 
 
 def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict[str, Any]:
@@ -71,18 +71,14 @@ def overflow_dict(ov: Overflow | None) -> dict[str, Any] | None:
     """summary.json's ``overflow``: the first call that overflows on the target only, None when none does."""
     if ov is None:
         return None
-    return {
-        "api": ov.api,
-        "step": ov.step,
-        "rank": ov.rank,
-        "where": ov.where,
-        "row": ov.row,
-        "output_row": ov.output_row,
-        "values": ov.values,
-        "dtype": ov.dtype,
-        "source": ov.source,
-        "reason": ov.reason,
-    }
+    return _fields(
+        ov, "api", "step", "rank", "where", "row", "output_row", "values", "dtype", "source", "reason"
+    )
+
+
+def _fields(obj: object, *names: str) -> dict[str, Any]:
+    """Some of an object's attributes as summary.json's keys, in the order given."""
+    return {name: getattr(obj, name) for name in names}
 
 
 def _number(x: float | None) -> float | str | None:
@@ -99,15 +95,8 @@ def trend_dict(result: CompareResult) -> dict[str, Any] | None:
     if t is None:
         return None
     return {
-        "passed": t.passed,
-        "steps": t.steps,
-        "dtype": t.dtype,
-        "rtol": t.rtol,
-        "first_step": t.first_step,
-        "quantity": t.quantity,
-        "target": _number(t.target),
-        "baseline": _number(t.baseline),
-        "difference": _number(t.difference),
+        **_fields(t, "passed", "steps", "dtype", "rtol", "first_step", "quantity"),
+        **{name: _number(getattr(t, name)) for name in ("target", "baseline", "difference")},
         "module": t.module,
         "module_values": None if t.module_values is None else [_number(v) for v in t.module_values],
         "rank": t.rank,
@@ -133,7 +122,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         row = result.rows[api.worst_row].row if api.worst_row is not None else api.api
         failures.append(_place(result, api, row, api.reason))
     return {
-        "passed": result.passed,
+        "passed": result.verdict.passed,
         "first_divergence": first_divergence_dict(result),
         "overflow": overflow_dict(result.overflow),
         "failures": failures,
@@ -142,7 +131,7 @@ def summary_dict(result: CompareResult) -> dict[str, Any]:
         "set_aside": list(result.set_aside),
         "ranks": rank_summaries(result),
         "counts": result.counts(),
-        "self_check": own_summary_dict(result),
+        "self_check": self_check_dict(result),
         "trend": trend_dict(result),
         "checklist": result.checklist.to_dict() if result.checklist is not None else None,
         "across": result.across.to_dict() if result.across is not None else None,
@@ -157,10 +146,10 @@ def first_divergence_dict(result: CompareResult) -> dict[str, Any] | None:
     call that reads it (or that a setting changes), and the row where it shows (an input slot for a weight or
     the data). ``source`` is what an input from outside the recorded calls is, where one is the first
     divergence (parameter, buffer, data, unrecorded)."""
-    first = result.checklist_first
-    fd = result.first_divergence
+    verdict = result.verdict
+    first, fd = verdict.checklist, verdict.divergence
     if first is not None:
-        api, row = result.first_call()
+        api, row = verdict.api, verdict.row
         return {
             "kind": first.kind,
             "name": first.name,

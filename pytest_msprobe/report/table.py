@@ -12,7 +12,7 @@ divergence is bold.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pytest_msprobe.compare.result import (
@@ -253,19 +253,26 @@ def md5_cell(leaf: RowSide) -> str:
     return NA
 
 
-def row_values(result: CompareResult, index: int, stack: str) -> list[Any]:
-    row = result.rows[index]
+def head_cells(row: RowResult, dtype: Callable[[RowSide], str], shape: Callable[[RowSide], str]) -> list[Any]:
+    """The first cells of a row in the xlsx and the CSV: the two sides' names, dtypes, shapes and requires_grad
+    (each spells a None item its own way, hence ``dtype`` and ``shape``)."""
     t, b = row.target, row.baseline
-    values: list[Any] = [
+    return [
         row.row if t is not None else NA,
         row.bench_row if b is not None else NA,
-        _dtype(t),
-        _dtype(b),
-        _shape(t),
-        _shape(b),
+        dtype(t),
+        dtype(b),
+        shape(t),
+        shape(b),
         requires_grad_cell(t),
         requires_grad_cell(b),
     ]
+
+
+def row_values(result: CompareResult, index: int, stack: str) -> list[Any]:
+    row = result.rows[index]
+    t, b = row.target, row.baseline
+    values = head_cells(row, _dtype, _shape)
     mode = result.mode
     if mode == "statistics":
         diffs, rels = stat_cells(row)

@@ -31,7 +31,7 @@ from pytest_msprobe.compare.result import (
 )
 from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.options import BY_NAME
-from pytest_msprobe.report.own import own_line
+from pytest_msprobe.report.self_check import own_error_line
 from pytest_msprobe.report.summary import rank_summaries
 
 # ------------------------------------------------------------------------------------------ shared pieces
@@ -56,7 +56,7 @@ def api_site(result: CompareResult, api: str) -> str | None:
 def divergence_site(result: CompareResult) -> str | None:
     """The source line of the first divergence's call, or of the first call a setting that comes first changes
     (None for another checklist difference, or without a stack)."""
-    fd, first = result.first_divergence, result.checklist_first
+    fd, first = result.first_divergence, result.verdict.checklist
     if first is not None:
         return api_site(result, first.call) if first.call else None
     return api_site(result, fd.api) if fd is not None else None
@@ -98,7 +98,7 @@ def divergence_lines(result: CompareResult) -> list[str]:
     """The first divergence and why: a checklist difference (data, a weight, a setting, the structure) when
     it comes first, then the first breaching call it leads to; else the call where the error enters."""
     fd = result.first_divergence
-    first = result.checklist_first
+    first = result.verdict.checklist
     lines: list[str] = []
     if first is not None:
         lines = [f"first divergence: {first.headline(result.several_ranks)}"]
@@ -256,19 +256,6 @@ def trend_lines(result: CompareResult) -> list[str]:
     return lines
 
 
-def trend_only(result: CompareResult) -> bool:
-    """Whether the trend alone fails the compare (the dumped steps agree within the API thresholds)."""
-    t = result.trend
-    return (
-        t is not None
-        and not t.passed
-        and not result.missing
-        and result.coverage.passed
-        and not result.failures
-        and not (result.self_check and result.out_of_line)
-    )
-
-
 def trend_only_lines(result: CompareResult, steps: list[int], scope: str) -> list[str]:
     """The head of the failure message of a trend that differs while the dumped steps agree."""
     t = result.trend
@@ -287,6 +274,14 @@ def trend_only_lines(result: CompareResult, steps: list[int], scope: str) -> lis
     return [f"msprobe: {trend[0]}", *trend[1:], why]
 
 
+def _where_lines(result: CompareResult) -> list[str]:
+    """The first divergence and why, the ranks where calls breach, and the calls whose own error is out of line:
+    the middle of the console summary and of the failure message."""
+    lines = divergence_lines(result)
+    lines.extend(line for line in (rank_line(result), own_error_line(result)) if line)
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------- the views
 def console_summary(result: CompareResult, reports: dict[str, str] | None = None, worst: int = 5) -> str:
     """A few lines for the terminal: headline with counts, the first divergence, the worst rows, the reports."""
@@ -297,7 +292,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
         scope += f", step(s) {', '.join(map(str, steps))}"
     if ranks:
         scope += f", rank(s) {', '.join(map(str, ranks))}"
-    status = "PASSED" if result.passed else "FAILED"
+    status = "PASSED" if result.verdict.passed else "FAILED"
     lines = [
         f"pytest-msprobe compare: {status} ({result.mode} mode, {scope}): {c['rows']} rows: {c['pass']} pass, "
         f"{c['warning']} warning, {c['error']} error, {c['unmatched']} unmatched, {c['skipped']} skipped; "
@@ -307,13 +302,7 @@ def console_summary(result: CompareResult, reports: dict[str, str] | None = None
     if result.across is not None:
         lines.append(result.across.line())
     lines.append(compare_overflow_line(result))
-    lines.extend(divergence_lines(result))
-    by_rank = rank_line(result)
-    if by_rank:
-        lines.append(by_rank)
-    own = own_line(result)
-    if own:
-        lines.append(own)
+    lines.extend(_where_lines(result))
     # the console ranks only rows with a measured error: its table is of numbers
     measured = [r for r in result.ranked_errors if r.error is not None]
     if measured:
@@ -353,7 +342,7 @@ def failure_message(
         else:
             lines.append(f"of what was compared, {counts}")
         lines.extend(trend_lines(result))
-    elif trend_only(result):  # the API compare passed: the trend's difference is the failure
+    elif result.verdict.trend_only:  # the API compare passed: the trend's difference is the failure
         lines = trend_only_lines(result, steps, f"{c['apis']} API calls, {result.mode} mode")
     else:
         lines = [f"msprobe: {lacking}{checklist_headline(result)}{counts}", *trend_lines(result)]
@@ -361,13 +350,7 @@ def failure_message(
         lines.append(result.across.line())
     if result.overflow is not None:
         lines.append(compare_overflow_line(result))
-    lines.extend(divergence_lines(result))
-    by_rank = rank_line(result)
-    if by_rank:
-        lines.append(by_rank)
-    own = own_line(result)
-    if own:
-        lines.append(own)
+    lines.extend(_where_lines(result))
     if result.missing:
         lines.append(f"missing in the target ({len(result.missing)} dump(s) the baseline has):")
         lines.extend(f"  {note}" for note in result.missing[:5])

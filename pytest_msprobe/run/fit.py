@@ -21,10 +21,10 @@ def check_baseline(folder: Path, test: TestSettings | None = None) -> None:
     cannot be compared, or (given the test's settings) does not fit the test.
 
     Checks every dump.json the compare would read, and the header of every tensor file they name, with the
-    compare's own checks (:func:`~pytest_msprobe.compare.validate.validate`), and our manifest; run before the
+    compare's own checks (:func:`~pytest_msprobe.compare.dumps.validate.validate`), and our manifest; run before the
     test body, so that a broken baseline is an error of the test's set-up rather than a failure after training.
     """
-    from pytest_msprobe.compare.validate import validate
+    from pytest_msprobe.compare.dumps import validate
 
     check = validate(folder)
     manifest = read_manifest(folder)

@@ -433,7 +433,7 @@ class MsprobeRun:
     def _self_check(self) -> Outcome:
         """The gate of a self-check without a baseline: every call of the dump judged by its own error (a
         dump folder without its self_check.json is an error: the gate would have checked part of the run)."""
-        from pytest_msprobe.compare.own import check_dump
+        from pytest_msprobe.compare.judging import check_dump
         from pytest_msprobe.report.text import self_check_message
 
         try:

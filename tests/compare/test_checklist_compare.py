@@ -14,7 +14,7 @@ from compare_helpers import seeded
 
 from pytest_msprobe import PrecisionDebugger
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.checklist_diff import compare_checklists
+from pytest_msprobe.compare.checklist import compare_checklists
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.checklist import CHECKLIST_JSON, read_checklist

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_msprobe.compare.align import MAX_EDITS, align
-from pytest_msprobe.compare.editscript import myers as _myers
-from pytest_msprobe.compare.records import ApiEntry, flatten_entry
+from pytest_msprobe.compare.alignment.align import MAX_EDITS, align
+from pytest_msprobe.compare.alignment.editscript import myers as _myers
+from pytest_msprobe.compare.dumps.records import ApiEntry, flatten_entry
 
 
 def entry(name: str, index: int = 0, shape: tuple[int, ...] = (4,), value: float = 1.0) -> ApiEntry:

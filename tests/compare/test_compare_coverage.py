@@ -210,7 +210,7 @@ def test_each_dump_pair_is_held_to_the_limit(tmp_path: Path) -> None:
 
 def test_an_optimizer_implementation_that_differs_leaves_nothing_unpaired(tmp_path: Path) -> None:
     """A CPU baseline for a CUDA run: SGD loops over the parameters on one, calls torch._foreach_* on the
-    other. The optimizer's calls give way to each parameter's update (compare/optimizer.py): nothing is left
+    other. The optimizer's calls give way to each parameter's update (compare/dumps/optimizer.py): nothing is left
     without a partner, and the coverage limit does not trip on the implementation."""
     import torch
 

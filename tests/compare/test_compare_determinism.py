@@ -186,7 +186,7 @@ def test_the_hash_seed_changes_nothing(wide: tuple[Path, Path]) -> None:
 
 _METRICS = """
 import numpy as np
-from pytest_msprobe.compare.metrics import tensor_metrics
+from pytest_msprobe.compare.judging.metrics import tensor_metrics
 rng = np.random.default_rng(4)
 for dtype in (np.float64, np.float32):
     b = rng.standard_normal(300_000).astype(dtype)

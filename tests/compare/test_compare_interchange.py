@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_msprobe.compare.align import align
-from pytest_msprobe.compare.interchange import input_distance
-from pytest_msprobe.compare.records import ApiEntry, flatten_entry
+from pytest_msprobe.compare.alignment import align
+from pytest_msprobe.compare.alignment.interchange import input_distance
+from pytest_msprobe.compare.dumps.records import ApiEntry, flatten_entry
 
 
 def stats(

@@ -18,8 +18,8 @@ from compare_helpers import tensor, write_dump
 from test_hostile_inputs import tensor_pickle, torch_archive
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.metrics import BLOCK
-from pytest_msprobe.compare.tensors import open_tensor
+from pytest_msprobe.compare.dumps import open_tensor
+from pytest_msprobe.compare.judging.metrics import BLOCK
 
 ELEMENTS = 1 << 20  # 4 MiB of float32 per tensor
 CALLS = 16

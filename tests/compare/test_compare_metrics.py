@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 from compare_helpers import DATA
 
-from pytest_msprobe.compare.metrics import EPS, StatMetrics, TensorMetrics, stat_metrics, tensor_metrics
+from pytest_msprobe.compare.judging.metrics import (
+    EPS,
+    StatMetrics,
+    TensorMetrics,
+    stat_metrics,
+    tensor_metrics,
+)
 
 f32, f16 = np.float32, np.float16
 NAN, INF = float("nan"), float("inf")

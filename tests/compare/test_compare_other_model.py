@@ -16,7 +16,7 @@ from test_compare_verdict import build, call
 from torch_dumps import dump_training
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.divergence import first_divergence
+from pytest_msprobe.compare.diagnosis import first_divergence
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.report import console_summary, summary_json
 from pytest_msprobe.report.advisor import advisor_text

@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pytest_msprobe.compare.align import align
-from pytest_msprobe.compare.metrics import TensorMetrics, stat_metrics, tensor_metrics
-from pytest_msprobe.compare.records import TENSOR, ApiEntry, Leaf
+from pytest_msprobe.compare.alignment import align
+from pytest_msprobe.compare.dumps import TENSOR, ApiEntry, Leaf
+from pytest_msprobe.compare.judging import TensorMetrics, stat_metrics, tensor_metrics
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -19,7 +19,7 @@ from compare_helpers import tensor, write_dump
 
 from pytest_msprobe import compare
 from pytest_msprobe.cli import build_parser, main
-from pytest_msprobe.compare.rank_order import CallPlace, collective_op, collective_peers, execution_order
+from pytest_msprobe.compare.alignment import CallPlace, collective_op, collective_peers, execution_order
 from pytest_msprobe.compare.run import default_jobs
 from pytest_msprobe.errors import ConfigError, DumpFormatError
 from pytest_msprobe.report import console_summary, summary_dict, write_reports

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from compare_helpers import DATA
 
-from pytest_msprobe.compare.tensors import open_tensor
+from pytest_msprobe.compare.dumps import open_tensor
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.tensordata import compute_dtype
 

@@ -11,8 +11,10 @@ import pytest
 from compare_helpers import tensor, write_dump
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.divergence import first_divergence
-from pytest_msprobe.compare.judge import (
+from pytest_msprobe.compare.diagnosis import first_divergence
+from pytest_msprobe.compare.dumps.records import OUTPUT, Leaf, flatten_entry
+from pytest_msprobe.compare.judging import tensor_metrics
+from pytest_msprobe.compare.judging.judge import (
     Check,
     check_kinds,
     check_md5,
@@ -20,8 +22,6 @@ from pytest_msprobe.compare.judge import (
     check_tensors,
     msprobe_accuracy,
 )
-from pytest_msprobe.compare.metrics import tensor_metrics
-from pytest_msprobe.compare.records import OUTPUT, Leaf, flatten_entry
 from pytest_msprobe.compare.result import (
     ERROR,
     PASS,
@@ -169,7 +169,7 @@ def test_a_tensor_row_with_a_mask_fill_is_judged_outside_it() -> None:
     [(0.999, 0.5, "Yes"), (0.98, 0.002, "No"), (0.98, 0.0009, "Yes"), (0.89, 0.0001, "No"), (1.0, 1.5, "No")],
 )
 def test_msprobe_8_3_3_accuracy_rule(cos: float, mae: float, expected: str) -> None:
-    from pytest_msprobe.compare.metrics import TensorMetrics
+    from pytest_msprobe.compare.judging import TensorMetrics
 
     assert msprobe_accuracy(TensorMetrics(cosine=cos, max_abs_err=mae)) == expected
 
@@ -326,7 +326,7 @@ def test_a_call_with_an_extra_output_on_one_side_is_a_warning(tmp_path: Path) ->
 def test_a_float32_tensor_made_by_a_half_type_is_held_to_its_tolerance() -> None:
     """A float32 gradient summed from bfloat16 ones keeps few significant bits at its extremes: a rerun that
     rounds its bfloat16 gradients otherwise moves its Min by a bfloat16 step, which float32's tolerance fails."""
-    from pytest_msprobe.compare.judge import carried_dtype
+    from pytest_msprobe.compare.judging import carried_dtype
 
     t = leaf(tensor([32, 16], 0.018646240234375, -0.02117919921875, 3.0324e-4, 0.1014088))
     b = leaf(tensor([32, 16], 0.018646240234375, -0.021240234375, 3.0353e-4, 0.1014474))
@@ -336,3 +336,22 @@ def test_a_float32_tensor_made_by_a_half_type_is_held_to_its_tolerance() -> None
     zeros = leaf(tensor([8], 0.0, 0.0, 0.0, 0.0))
     ones = leaf(tensor([8], 1.0, 0.5, 0.75, 2.0))
     assert carried_dtype(zeros, zeros) is None and carried_dtype(ones, zeros) is None  # nothing to tell it by
+
+
+def test_the_verdict_is_worked_out_once_and_names_what_comes_first(tmp_path: Path) -> None:
+    import shutil
+
+    from compare_helpers import dump_dir
+
+    from pytest_msprobe.compare.result import CAUSE_CALL, Verdict
+
+    bench = dump_dir("8.3.3", "bench", "stat_L1", 0)
+    faulty = compare(dump_dir("8.3.3", "npu", "stat_L1", 0), bench)
+    verdict = faulty.verdict
+    assert isinstance(verdict, Verdict) and faulty.verdict is verdict  # cached: every report reads this one
+    fd = faulty.first_divergence
+    assert fd is not None and not verdict.passed and verdict.cause == CAUSE_CALL
+    assert (verdict.text, verdict.api, verdict.row, verdict.divergence) == (fd.api, fd.api, fd.row, fd)
+    assert verdict.checklist is None and not verdict.trend_only and faulty.passed is verdict.passed
+    clean = compare(shutil.copytree(bench, tmp_path / "copy"), bench).verdict
+    assert clean.passed and clean.cause is None and clean.text == "" and clean.api is None

@@ -31,7 +31,7 @@ from compare_helpers import dump_dir, tensor, write_dump
 
 from pytest_msprobe.cli import main
 from pytest_msprobe.compare import compare, validate
-from pytest_msprobe.compare.tensors import open_tensor
+from pytest_msprobe.compare.dumps import open_tensor
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format import files as load_module
 from pytest_msprobe.format import tensorfile as tensorfile_module

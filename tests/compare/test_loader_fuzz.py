@@ -30,8 +30,7 @@ import pytest
 from compare_helpers import dump_dir
 
 from pytest_msprobe.compare import compare, validate
-from pytest_msprobe.compare.records import read_dump
-from pytest_msprobe.compare.tensors import open_tensor
+from pytest_msprobe.compare.dumps import open_tensor, read_dump
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.layout import discover
 

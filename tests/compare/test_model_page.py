@@ -236,7 +236,7 @@ def test_the_trend_plots_label_covers_no_point(monkeypatch: pytest.MonkeyPatch, 
     """Both panels of the trend plot label the first divergent step above their axes, clear of the curves."""
     pytest.importorskip("matplotlib")
     import pytest_msprobe.report.html as report_html
-    from pytest_msprobe.compare.trend import compare_trend
+    from pytest_msprobe.compare.trend.compare import compare_trend
     from pytest_msprobe.format.trendfile import TrendData, TrendStep
 
     def trend(loss: list[float]) -> TrendData:

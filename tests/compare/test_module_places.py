@@ -1,4 +1,4 @@
-"""Where each call was made in the model (pytest_msprobe.compare.modules): from construct.json at L0/mix, from
+"""Where each call was made in the model (pytest_msprobe.compare.dumps.modules): from construct.json at L0/mix, from
 the call stacks at L1, on msprobe's real dumps, the ResNet50 example's shipped baseline and our own dumps of a
 model built to be awkward; the two sources agree where both exist.
 """
@@ -11,7 +11,8 @@ import pytest
 from compare_helpers import VERSIONS, dump_dir, rank_dir
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.modules import (
+from pytest_msprobe.compare.dumps import read_dump, read_stack
+from pytest_msprobe.compare.dumps.modules import (
     callees,
     from_construct,
     from_stacks,
@@ -19,7 +20,6 @@ from pytest_msprobe.compare.modules import (
     read_construct,
     segments,
 )
-from pytest_msprobe.compare.records import read_dump, read_stack
 from pytest_msprobe.compare.result import OPTIMIZER_MODULE as OPTIMIZER
 from pytest_msprobe.compare.result import OUTSIDE_MODULES as OUTSIDE
 from pytest_msprobe.compare.result import UNKNOWN_MODULE as UNKNOWN

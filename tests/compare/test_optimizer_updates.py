@@ -1,4 +1,4 @@
-"""Optimizer updates pair by parameter whatever kernels made them (compare/optimizer.py, dump/optimizer_hooks.py).
+"""Optimizer updates pair by parameter whatever kernels made them (compare/dumps/optimizer.py, dump/optimizer_hooks.py).
 
 Real CPU trainings of a small CNN dumped with each of torch's implementations (single-tensor loops, foreach lists,
 one fused kernel: all three run on the CPU) and compared against each other; the same dumps without their
@@ -353,7 +353,7 @@ def test_the_sidecar_is_checked(runs: Callable[..., Path], tmp_path: Path) -> No
 def test_a_baseline_check_reads_the_updates_and_their_tensor_files(tmp_path: Path) -> None:
     """The check run on a baseline before the test body (validate) holds optimizer.json to what the compare
     needs: its records, and the header of every tensor file they name; a problem names the file."""
-    from pytest_msprobe.compare.validate import validate
+    from pytest_msprobe.compare.dumps import validate
     from pytest_msprobe.errors import DumpFormatError
 
     dump = train(tmp_path / "dump", "single", task="tensor")

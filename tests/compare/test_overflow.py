@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.own import check_dump
+from pytest_msprobe.compare.judging import check_dump
 from pytest_msprobe.report.advisor import advisor_text
 from pytest_msprobe.report.summary import summary_dict
 from pytest_msprobe.report.text import console_summary, failure_message, self_check_message

@@ -16,7 +16,7 @@ import pytest
 from compare_helpers import dump_dir
 
 from pytest_msprobe import compare
-from pytest_msprobe.compare.own import check_dump, verdict
+from pytest_msprobe.compare.judging.self_check import check_dump, own_error_verdict
 from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, thresholds_from_dict
 from pytest_msprobe.errors import ConfigError, DumpFormatError
 from pytest_msprobe.format.own_errors import (
@@ -41,9 +41,9 @@ def own(share: float, rmse: float = 1e-3, max_rel: float = 0.03, dtype: str = "f
 
 
 def test_a_call_beyond_its_standard_with_no_baseline_own_error_is_out_of_line() -> None:
-    v = verdict(CallOwn((own(0.4),)), None, RELU, Thresholds())
+    v = own_error_verdict(CallOwn((own(0.4),)), None, RELU, Thresholds())
     assert v is not None and v.out_of_line and "40.000% of its elements more than 0.001 off" in v.reason
-    clean = verdict(CallOwn((own(0.0, 1e-8, 1e-7),)), None, RELU, Thresholds())
+    clean = own_error_verdict(CallOwn((own(0.0, 1e-8, 1e-7),)), None, RELU, Thresholds())
     assert clean is not None and not clean.out_of_line
 
 
@@ -51,12 +51,15 @@ def test_a_baseline_as_far_off_excuses_the_target() -> None:
     """Both devices compute a matmul in TF32-like precision: the target is no worse than the reference."""
     b = own(0.3, rmse=1.5e-3, max_rel=0.01)
     close = own(0.3, rmse=1.65e-3, max_rel=0.01)  # 1.1x the baseline's RMSE
-    v = verdict(CallOwn((close,)), CallOwn((b,)), "Torch.matmul.0.forward", Thresholds())
+    v = own_error_verdict(CallOwn((close,)), CallOwn((b,)), "Torch.matmul.0.forward", Thresholds())
     assert v is not None and not v.out_of_line and "as the baseline's own error is too" in v.reason
     # 1.33x the baseline's RMSE: within L0's 2x (cos), beyond L2's 1.2x (matmul's level)
     t = own(0.3, rmse=2e-3, max_rel=0.01)
-    assert verdict(CallOwn((t,)), CallOwn((b,)), "Torch.cos.0.forward", Thresholds()).out_of_line is False  # type: ignore[union-attr]
-    far = verdict(CallOwn((t,)), CallOwn((b,)), "Torch.matmul.0.forward", Thresholds())
+    assert (
+        own_error_verdict(CallOwn((t,)), CallOwn((b,)), "Torch.cos.0.forward", Thresholds()).out_of_line
+        is False
+    )  # type: ignore[union-attr]
+    far = own_error_verdict(CallOwn((t,)), CallOwn((b,)), "Torch.matmul.0.forward", Thresholds())
     assert (
         far is not None
         and far.out_of_line
@@ -67,24 +70,24 @@ def test_a_baseline_as_far_off_excuses_the_target() -> None:
 def test_the_baselines_dtype_sets_the_standard() -> None:
     """A bfloat16 output where the reference gives float32 is held to float32's 1e-3, not bfloat16's 1e-2."""
     bf16 = own(0.5, dtype="bfloat16")  # half its elements 1e-3 off, a quarter 1e-2 off
-    assert not verdict(CallOwn((bf16,)), None, RELU, Thresholds()).out_of_line  # type: ignore[union-attr]
-    v = verdict(CallOwn((bf16,)), CallOwn((own(0.0, 1e-8, 1e-7),)), RELU, Thresholds())
+    assert not own_error_verdict(CallOwn((bf16,)), None, RELU, Thresholds()).out_of_line  # type: ignore[union-attr]
+    v = own_error_verdict(CallOwn((bf16,)), CallOwn((own(0.0, 1e-8, 1e-7),)), RELU, Thresholds())
     assert v is not None and v.out_of_line
 
 
 def test_per_api_standards_from_the_thresholds_file() -> None:
     t = thresholds_from_dict({"apis": [{"pattern": "Functional.relu.*", "own_share": 0.5}]})
-    assert not verdict(CallOwn((own(0.4),)), None, RELU, t).out_of_line  # type: ignore[union-attr]
-    assert verdict(CallOwn((own(0.4),)), None, "Functional.gelu.0.forward", t).out_of_line  # type: ignore[union-attr]
+    assert not own_error_verdict(CallOwn((own(0.4),)), None, RELU, t).out_of_line  # type: ignore[union-attr]
+    assert own_error_verdict(CallOwn((own(0.4),)), None, "Functional.gelu.0.forward", t).out_of_line  # type: ignore[union-attr]
     strict = Thresholds(apis=(ApiRule("Torch.cos.*", own_level="L2"),))
     t2, b = own(0.3, rmse=1.5e-3), own(0.3, rmse=1e-3)
-    assert verdict(CallOwn((t2,)), CallOwn((b,)), "Torch.cos.0.forward", strict).out_of_line  # type: ignore[union-attr]
+    assert own_error_verdict(CallOwn((t2,)), CallOwn((b,)), "Torch.cos.0.forward", strict).out_of_line  # type: ignore[union-attr]
     with pytest.raises(ConfigError, match=r"apis\[0\].own_level must be one of L0, L1, L2, got 'L9'"):
         thresholds_from_dict({"apis": [{"pattern": "*", "own_level": "L9"}]})
 
 
 def test_a_call_not_replayed_says_why_and_is_never_out_of_line() -> None:
-    v = verdict(CallOwn(skipped="a random op"), None, "Functional.dropout.0.forward", Thresholds())
+    v = own_error_verdict(CallOwn(skipped="a random op"), None, "Functional.dropout.0.forward", Thresholds())
     assert v is not None and not v.out_of_line and v.skipped == "a random op"
 
 

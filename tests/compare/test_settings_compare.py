@@ -17,7 +17,7 @@ import torch
 
 from pytest_msprobe import cli
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.checklist_diff import compare_checklists
+from pytest_msprobe.compare.checklist import compare_checklists
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklist import CHECKLIST_JSON, read_checklist

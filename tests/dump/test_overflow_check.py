@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pytest_msprobe import PrecisionDebugger
-from pytest_msprobe.compare.validate import validate
+from pytest_msprobe.compare.dumps import validate
 from pytest_msprobe.errors import ConfigError
 from tests.compare.overflow_models import dump
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from pytest_msprobe import PrecisionDebugger, seed_all
 from pytest_msprobe.cli import main
-from pytest_msprobe.compare.own import check_dump
+from pytest_msprobe.compare.judging import check_dump
 from pytest_msprobe.format.own_errors import CallOwn
 from pytest_msprobe.format.precision import kind_of
 from pytest_msprobe.replay.offline import replay_dump
@@ -182,7 +182,7 @@ def test_a_fault_under_tf32_is_out_of_line_at_its_call(
     root = _train(tmp_path / "dump", model)
     assert sim.fired == [fault.record] * len(STEPS)
     assert _out_of_line(sidecar_calls(root)) == {(step, fault.record) for step in STEPS}
-    result = check_dump(root)  # the gate's own-error verdicts (compare/own.py)
+    result = check_dump(root)  # the gate's own-error verdicts (compare/judging/self_check.py)
     assert [(c.step, c.name) for c in result.out_of_line] == [(step, fault.record) for step in STEPS]
 
 

@@ -1,23 +1,17 @@
 """The compared calls as the first divergence's rules read them: each call's inputs (its own, the tensors
 its forward call saw, a collective's peers' inputs), which of them came from outside the recorded calls
-(:mod:`pytest_msprobe.compare.sources`), and where a divergence points (see
-:mod:`pytest_msprobe.compare.divergence`)."""
+(:mod:`pytest_msprobe.compare.diagnosis.sources`), and where a divergence points (see
+:mod:`pytest_msprobe.compare.diagnosis.divergence`)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.records import OUTPUT
-from pytest_msprobe.compare.result import (
-    ERROR,
-    UNMATCHED,
-    ApiResult,
-    Divergence,
-    RowResult,
-    shape_differs,
-)
-from pytest_msprobe.compare.sources import NO_SOURCES, Sources, find_sources
+from pytest_msprobe.compare.diagnosis.rules import Divergence
+from pytest_msprobe.compare.diagnosis.sources import NO_SOURCES, Sources, find_sources
+from pytest_msprobe.compare.dumps import OUTPUT
+from pytest_msprobe.compare.judging import ERROR, UNMATCHED, ApiResult, RowResult, shape_differs
 
 # an input whose error exceeds this fraction of its tolerance does not count as matching the baseline (the
 # warning level of the default dtype table): an output can only be where the error enters if its inputs are clean

@@ -1,15 +1,15 @@
 """The first divergence: where the error enters, not where it shows.
 
 Over all compared API calls in execution order (forward, then backward; steps; ranks ordered through the
-collectives they share, see :mod:`pytest_msprobe.compare.rank_order`), the first of these rules that applies
+collectives they share, see :mod:`pytest_msprobe.compare.alignment.rank_order`), the first of these rules that applies
 places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
 
 00. *overflow*: the earliest call whose output holds inf/nan on the target while the baseline's does not (see
-   :mod:`pytest_msprobe.compare.overflow`), with where the inf/nan is first seen (a weight, an input no recorded
+   :mod:`pytest_msprobe.compare.judging.overflow`), with where the inf/nan is first seen (a weight, an input no recorded
    call made, or its own output): whatever else breaches, an overflow is where to look first.
 
 0. *out of line*: where calls have own errors (each call's output against the float64 replay of its own
-   inputs, see :mod:`pytest_msprobe.compare.own`), the earliest call whose own error is out of line, at any
+   inputs, see :mod:`pytest_msprobe.compare.judging.self_check`), the earliest call whose own error is out of line, at any
    step and whatever flowed into it, unless rule 1 finds a call without own errors earlier.
 1. *enters*: the earliest call whose outputs breach while its inputs match (every input within a tenth of its
    tolerance, and of its output's where that is tighter, as a float32 loss's of bfloat16 logits: an input close
@@ -25,11 +25,11 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
    statistics stay within float32's). Not at a step whose weights drift, nor across devices (their rounding
    differs from the first call that computes).
 1b. *source*: or, when it comes earlier, the earliest call with an input that differs and that no recorded call
-   made (see :mod:`pytest_msprobe.compare.sources`): a weight, a buffer, the data or the output of an operation
+   made (see :mod:`pytest_msprobe.compare.diagnosis.sources`): a weight, a buffer, the data or the output of an operation
    that is not recorded; the error enters with that input, at its first reader. A weight that drifts (every
    weight differs a little after an earlier step) is no source, and does not match the baseline as an input.
 1c. *source*, changed: at a later step, the one tensor the step starts with that changed since the step before
-   (see :mod:`pytest_msprobe.compare.sources`), at its first reader; after rule 3 (the update that changes it
+   (see :mod:`pytest_msprobe.compare.diagnosis.sources`), at its first reader; after rule 3 (the update that changes it
    again may show its own error), before rules 3b and 4.
 2. *structural*: otherwise, when the first error shows at or after a call that reads the output of a call
    only one side makes (an inserted or removed call, see :func:`pytest_msprobe.compare.explain.explain_structural`),
@@ -37,7 +37,7 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
    shapes: then the dumps come from another model or data, which is more than a call added or removed.
 3. *inconsistent*: the earliest breaching call without own errors whose statistics break a relation that
    its inputs' statistics fix, on the target, and keep on the baseline (a relu's Max is its input's, an add's
-   Mean the sum of its inputs', see :mod:`pytest_msprobe.compare.stat_relations`): a statistics dump's own
+   Mean the sum of its inputs', see :mod:`pytest_msprobe.compare.judging.stat_relations`): a statistics dump's own
    error, where no replay gives one; or any breaching call whose output has another floating dtype than the
    baseline's while its inputs' dtypes match (no value flowing in changes a dtype). It comes before rule 1
    when it is earlier, and applies whatever flowed in.
@@ -58,36 +58,38 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
-from pytest_msprobe.compare import fallback
-from pytest_msprobe.compare.calls import (
+from pytest_msprobe.compare.diagnosis import fallback
+from pytest_msprobe.compare.diagnosis.calls import (
     Calls,
     close_to_line,
     inputs_of_other_shapes,
     suffix,
     worst_output_row,
 )
-from pytest_msprobe.compare.records import OUTPUT, Leaf
-from pytest_msprobe.compare.result import (
-    DTYPE,
+from pytest_msprobe.compare.diagnosis.rules import (
     ENTERS,
-    ERROR,
     GROWS,
     INCONSISTENT,
     OUT_OF_LINE,
     OVERFLOW,
     ROUNDING,
     SOURCE,
-    UNMATCHED,
     UNRECORDED_SOURCE,
-    ApiResult,
     Divergence,
+)
+from pytest_msprobe.compare.diagnosis.sources import ALONE, CHANGED_SINCE, KIND_TEXT, Source
+from pytest_msprobe.compare.dumps import OUTPUT, Leaf
+from pytest_msprobe.compare.judging import (
+    DTYPE,
+    ERROR,
+    UNMATCHED,
+    ApiResult,
     Overflow,
-    OwnVerdict,
+    OwnErrorVerdict,
     RowResult,
     fmt_number,
     shape_differs,
 )
-from pytest_msprobe.compare.sources import ALONE, CHANGED_SINCE, KIND_TEXT, Source
 from pytest_msprobe.format.own_errors import OwnError
 
 
@@ -99,7 +101,7 @@ def first_divergence(
     opaque: Collection[int] = (),
     peers: Mapping[int, Sequence[int]] | None = None,
     structural: Mapping[int, int] | None = None,
-    own: Mapping[int, OwnVerdict] | None = None,
+    own: Mapping[int, OwnErrorVerdict] | None = None,
     self_check: bool = False,
     noise: Collection[int] = (),
     relations: Mapping[int, str] | None = None,
@@ -324,7 +326,7 @@ def _earliest(apis: Sequence[ApiResult], *found: Divergence | None) -> Divergenc
 
 
 def _inconsistent(
-    calls: Calls, breaching: list[int], relations: Mapping[int, str], own: Mapping[int, OwnVerdict]
+    calls: Calls, breaching: list[int], relations: Mapping[int, str], own: Mapping[int, OwnErrorVerdict]
 ) -> Divergence | None:
     for i in breaching:
         if i in relations and i not in own:
@@ -361,7 +363,7 @@ def _dtype(leaf: Leaf | None) -> str | None:
     return None if leaf is None else leaf.dtype
 
 
-def _out_of_line(calls: Calls, i: int, v: OwnVerdict) -> Divergence:
+def _out_of_line(calls: Calls, i: int, v: OwnErrorVerdict) -> Divergence:
     base = v.baseline
     theirs = (
         f"; the baseline's own error: {own_summary(base)}"
@@ -385,7 +387,7 @@ def own_summary(err: OwnError | None) -> str:
     )
 
 
-def _rounding(calls: Calls, found: Divergence, own: Mapping[int, OwnVerdict]) -> Divergence:
+def _rounding(calls: Calls, found: Divergence, own: Mapping[int, OwnErrorVerdict]) -> Divergence:
     """``found`` (rule 1 or 3) renamed for what it is when its call's own error is in line and none is out
     of line: the difference builds up from rounding."""
     v = own.get(found.api_index)

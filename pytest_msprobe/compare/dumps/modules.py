@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pytest_msprobe.compare.records import Dump, read_helper_json, read_stack
-from pytest_msprobe.compare.result import OPTIMIZER_MODULE, OUTSIDE_MODULES, UNKNOWN_MODULE
+from pytest_msprobe.compare.dumps.records import Dump, read_helper_json, read_stack
 from pytest_msprobe.format.layout import CONSTRUCT_JSON
 from pytest_msprobe.format.names import (
     BACKWARD,
@@ -51,6 +50,21 @@ from pytest_msprobe.format.optimizer import is_update
 ModulePath = tuple[str, ...]
 
 CONSTRUCT, STACKS = "construct.json", "stack.json"  # ModulePlaces.source
+
+# attribute name)
+OUTSIDE_MODULES = ("(outside any module)",)  # before, after or between the model's module calls
+OPTIMIZER_MODULE = ("(optimizer)",)  # inside optimizer.step()
+UNKNOWN_MODULE = ("(no module known)",)  # neither construct.json nor a stack tells
+
+
+@dataclass(frozen=True)
+class Modules:
+    """The model's modules that the calls were made in (:attr:`ApiResult.module`): what each is (its class at
+    L0/mix, where it is called at L1) and which files told (``construct.json``, ``stack.json``; none: every
+    call's module is unknown)."""
+
+    about: dict[tuple[str, ...], str] = field(default_factory=dict)
+    sources: tuple[str, ...] = ()
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from pytest_msprobe.compare.metrics import STAT_NAMES, StatMetrics, TensorMetrics, stat_metrics
-from pytest_msprobe.compare.records import NONE, TENSOR, VALUE, Leaf
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.dumps import NONE, TENSOR, VALUE, Leaf
+from pytest_msprobe.compare.judging.metrics import STAT_NAMES, StatMetrics, TensorMetrics, stat_metrics
+from pytest_msprobe.compare.judging.rows import (
     DTYPE,
     ERROR,
     NONFINITE,

@@ -1,10 +1,11 @@
-"""Own errors in the compare: each call's output against the float64 replay of its own inputs.
+"""The self-check: each call judged by its own error (its output against the float64 replay of its own
+inputs), in a compare and in a dump without a baseline.
 
 Where they come from, per dump.json: its ``self_check.json`` (written while the step ran, with
 ``--msprobe-self-check``), else, for a tensor dump, a replay of its tensor files now (:mod:`pytest_msprobe.replay`,
 which needs torch: imported here only when a dump must be replayed).
 
-How a call is judged (:func:`verdict`): its target's own error is out of line when, for one of its outputs,
+How a call is judged (:func:`own_error_verdict`): its target's own error is out of line when, for one of its outputs,
 elements finite on one side only, or more of its elements than its dtype's share (1e-3 for float32 and
 float64, 1e-2 for half types; per API with the thresholds file's ``own_share``) are off by more than the
 measuring bound (or, computed at a lower precision than its dtype, more than that share are off by a tenth of it
@@ -21,13 +22,13 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
-from pytest_msprobe.compare.overflow import CallView, dump_overflow, entry_views
-from pytest_msprobe.compare.records import read_dump, read_stack
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.dumps import read_dump, read_stack
+from pytest_msprobe.compare.judging.overflow import CallView, dump_overflow, entry_views
+from pytest_msprobe.compare.judging.rows import (
     ERROR,
     WARNING,
     ApiResult,
-    OwnVerdict,
+    OwnErrorVerdict,
     SelfCheckCall,
     SelfCheckResult,
     fmt_number,
@@ -43,7 +44,7 @@ OwnErrors = dict[str, CallOwn]
 NO_OWN_ERRORS = "the dump was made without the self-check, so its calls have no own errors to judge"
 
 
-def load_own(dump_json: Path, replay: bool, only: Collection[str] | None = None) -> OwnErrors | None:
+def load_own_errors(dump_json: Path, replay: bool, only: Collection[str] | None = None) -> OwnErrors | None:
     """The own errors of one dump.json: its sidecar, else (``replay``) a float64 replay of its tensor
     files, of the calls named in ``only`` where given (every call otherwise); None when there are none (a
     statistics dump without a sidecar, or torch is not installed)."""
@@ -77,15 +78,15 @@ def replay_wanted(
     return target, baseline
 
 
-def verdict(
+def own_error_verdict(
     target: CallOwn | None, baseline: CallOwn | None, api: str, thresholds: Thresholds
-) -> OwnVerdict | None:
+) -> OwnErrorVerdict | None:
     """How the target's call stands by its own error (see the module docstring); None where the target
     has no own error for it."""
     if target is None:
         return None
     if target.skipped:
-        return OwnVerdict(None, None, False, "", target.skipped)
+        return OwnErrorVerdict(None, None, False, "", target.skipped)
     base = baseline.outputs if baseline is not None and not baseline.skipped else ()
     worst_t: OwnError | None = None
     worst_b: OwnError | None = None
@@ -115,8 +116,8 @@ def verdict(
         else:
             excused.append(f"{where}: {broken}, as the baseline's own error is too (within its ratios)")
     if reasons:
-        return OwnVerdict(worst_t, worst_b, True, "; ".join(reasons))
-    return OwnVerdict(worst_t, worst_b, False, "; ".join(excused))
+        return OwnErrorVerdict(worst_t, worst_b, True, "; ".join(reasons))
+    return OwnErrorVerdict(worst_t, worst_b, False, "; ".join(excused))
 
 
 def breaks_standard(err: OwnError, bound: float, share: float) -> str:
@@ -177,22 +178,22 @@ def exceeds(t: OwnError, b: OwnError, ratios: OwnRatios) -> str:
     return ""
 
 
-def own_verdicts(
+def own_error_verdicts(
     apis: Sequence[ApiResult],
     target_own: Sequence[OwnErrors | None],
     baseline_own: Sequence[OwnErrors | None],
     thresholds: Thresholds,
-) -> dict[int, OwnVerdict]:
+) -> dict[int, OwnErrorVerdict]:
     """The verdict of each call whose target has own errors (``*_own[p]``: the own errors of dump pair
     ``p``'s two dump.json files, None where a side has none)."""
-    found: dict[int, OwnVerdict] = {}
+    found: dict[int, OwnErrorVerdict] = {}
     for i, api in enumerate(apis):
         t_own = target_own[api.pair]
         if t_own is None or api.api not in t_own or api.direction is None:
             continue
         b_own = baseline_own[api.pair]
         b_call = b_own.get(api.bench_api) if b_own is not None and api.bench_api else None
-        v = verdict(t_own[api.api], b_call, api.api, thresholds)
+        v = own_error_verdict(t_own[api.api], b_call, api.api, thresholds)
         if v is not None:
             found[i] = v
     return found
@@ -204,7 +205,7 @@ def check_dump(path: str | os.PathLike[str], thresholds: Thresholds | None = Non
     Every dump.json of ``path`` must have its ``self_check.json`` (written with ``--msprobe-self-check``):
     one without it raises DumpFormatError naming it, since a gate that checked only part of the run would
     pass for the wrong reason. The first call whose output holds inf/nan (see
-    :mod:`pytest_msprobe.compare.overflow`) fails the check too (``SelfCheckResult.overflow``).
+    :mod:`pytest_msprobe.compare.judging.overflow`) fails the check too (``SelfCheckResult.overflow``).
 
         >>> check_dump("out/dump").out_of_line[0].name     # doctest: +SKIP
         'Functional.relu.2.forward'
@@ -220,7 +221,7 @@ def check_dump(path: str | os.PathLike[str], thresholds: Thresholds | None = Non
             raise DumpFormatError(loc.path, f"no {SELF_CHECK_JSON} beside it: {NO_OWN_ERRORS}")
         stacks = read_stack(loc.path)
         for name in _recorded_order(loc.path, own):
-            v = verdict(own[name], None, name, thresholds)
+            v = own_error_verdict(own[name], None, name, thresholds)
             if v is None:
                 continue
             parts = parse_name(name)

@@ -29,8 +29,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.records import OUTPUT, PARAMETER, TENSOR, VALUE, ApiEntry, Leaf
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.dumps import OUTPUT, PARAMETER, TENSOR, VALUE, ApiEntry, Leaf
+from pytest_msprobe.compare.judging.rows import (
     OVERFLOW_INPUT,
     OVERFLOW_OUTPUT,
     OVERFLOW_PARAMETER,

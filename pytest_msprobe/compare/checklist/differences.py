@@ -9,7 +9,7 @@ msprobe's guide starts every investigation here: most precision problems are not
   optimizer's class or a param group's scalar, at the first step it differs), ``parameter`` and ``buffer``
   (its values at the start of a step), ``data`` (the step's input batch), ``setting`` (a numerics setting the
   two runs compute under differently: TF32, HF32, a reduced reduction, autocast, deterministic algorithms; at
-  the first call it changes, see :mod:`pytest_msprobe.compare.checklist_settings`);
+  the first call it changes, see :mod:`pytest_msprobe.compare.checklist.settings`);
 - context, never a failure on its own: ``environment`` (a variable that changes numerics), ``version``,
   ``switch`` (torch's numeric switches, the seed, an optimizer's implementation flags, a setting that changes
   no recorded call); a difference expected between two device types (CUDA's versions and switches against an

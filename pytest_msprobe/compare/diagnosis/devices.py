@@ -3,7 +3,7 @@
 Two steps of training a model on two devices (or under two numerics settings) amplify each device's rounding
 beyond any value threshold, and that is no fault: a random-weight ResNet50's two steps differ in most calls
 between two CPUs' thread counts. So when the two runs' checklists say they ran on different device types or
-under a different numerics policy (:meth:`pytest_msprobe.compare.checklist.ChecklistResult.cross_device`), a breaching call is judged by what can tell a fault from rounding:
+under a different numerics policy (:meth:`pytest_msprobe.compare.checklist.differences.ChecklistResult.cross_device`), a breaching call is judged by what can tell a fault from rounding:
 
 - where the call has its own error on the target (the self-check's ``self_check.json``, or a replay of a tensor
   dump): it fails when its own error is out of line (against its device's declared precision and, where the
@@ -11,7 +11,7 @@ under a different numerics policy (:meth:`pytest_msprobe.compare.checklist.Check
   standard), whether or not its values breach; it does not fail when its own error is in line;
 - where it has none: it fails when the error provably enters there: its outputs breach while its inputs match
   the baseline (within a tenth of their tolerance), or its statistics break a relation that holds whatever its
-  inputs (:mod:`pytest_msprobe.compare.stat_relations`);
+  inputs (:mod:`pytest_msprobe.compare.judging.stat_relations`);
 - always: an overflow on the target only, a row whose two sides cannot be compared as numbers (another shape,
   NaN/Inf on one side only, statistics that are unusable), and every failing checklist difference (data, weights,
   hyperparameters, structure, a numerics setting) fail as on one device.
@@ -27,15 +27,8 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.divergence import inputs_matcher
-from pytest_msprobe.compare.result import (
-    ERROR,
-    WARNING,
-    ApiResult,
-    Overflow,
-    OwnVerdict,
-    RowResult,
-)
+from pytest_msprobe.compare.diagnosis.divergence import inputs_matcher
+from pytest_msprobe.compare.judging import ERROR, WARNING, ApiResult, Overflow, OwnErrorVerdict, RowResult
 
 DRIFT = "drift across devices"
 
@@ -95,7 +88,7 @@ def judge_across(
     peers: Mapping[int, Sequence[int]],
     opaque: Collection[int],
     noise: Collection[int],
-    own: Mapping[int, OwnVerdict],
+    own: Mapping[int, OwnErrorVerdict],
     relations: Mapping[int, str],
     overflow: Overflow | None,
 ) -> AcrossDevices:

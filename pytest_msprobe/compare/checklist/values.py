@@ -1,5 +1,5 @@
 """The checklist's values: the weights, buffers and batch of two runs' checklists held to each other (see
-:mod:`pytest_msprobe.compare.checklist` for how)."""
+:mod:`pytest_msprobe.compare.checklist.differences` for how)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.compare.checklist import DATA, Difference, same_value, value_text
+from pytest_msprobe.compare.checklist.differences import DATA, Difference, same_value, value_text
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, decode_number
 from pytest_msprobe.format.files import read_json
@@ -78,6 +78,23 @@ def _stat_text(tf: Mapping[str, Any], bf: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _by_crc(
+    kind: str,
+    name: str,
+    step: int | None,
+    rank: int | None,
+    tf: Mapping[str, Any],
+    bf: Mapping[str, Any],
+    why: str,
+    where: str,
+    drift: bool = False,
+) -> Difference:
+    """A tensor's difference, its two values shown by their CRCs (a weight's, a buffer's or an input's)."""
+    return Difference(
+        kind, name, step, rank, str(tf.get("crc32")), str(bf.get("crc32")), why, where=where, drift=drift
+    )
+
+
 def tensor_differences(
     kind: str,
     section: str,
@@ -100,19 +117,7 @@ def tensor_differences(
             continue  # a name one side lacks is the structure's difference
         why = _values_differ(tf, bf, exact, thresholds)
         if why is not None:
-            found.append(
-                Difference(
-                    kind,
-                    name,
-                    step,
-                    rank,
-                    str(tf.get("crc32")),
-                    str(bf.get("crc32")),
-                    why,
-                    where=f"before step {step}",
-                    drift=not exact,
-                )
-            )
+            found.append(_by_crc(kind, name, step, rank, tf, bf, why, f"before step {step}", drift=not exact))
     return found
 
 
@@ -225,18 +230,8 @@ def data_differences(
             continue
         why = _values_differ(tf, bf, True, Thresholds())
         if why is not None:
-            found.append(
-                Difference(
-                    DATA,
-                    name,
-                    step,
-                    rank,
-                    str(tf.get("crc32")),
-                    str(bf.get("crc32")),
-                    f"input {name} of {td.get('source')} ({_fingerprint_text(bf)}): {why}",
-                    where=f"step {step}",
-                )
-            )
+            why = f"input {name} of {td.get('source')} ({_fingerprint_text(bf)}): {why}"
+            found.append(_by_crc(DATA, name, step, rank, tf, bf, why, f"step {step}"))
     return found, None
 
 

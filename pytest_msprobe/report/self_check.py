@@ -1,4 +1,4 @@
-"""The views of each call's own error (its output against the float64 replay of its own inputs).
+"""The self-check's views: each call's own error (its output against the float64 replay of its own inputs).
 
 One table, in execution order, both sides side by side (``own_errors`` sheet of the xlsx and
 ``own_errors.csv``), the out-of-line calls for summary.json and the HTML fragment, and the failure message of a
@@ -15,7 +15,7 @@ from typing import Any
 
 from pytest_msprobe.compare.result import (
     CompareResult,
-    OwnVerdict,
+    OwnErrorVerdict,
     SelfCheckResult,
 )
 from pytest_msprobe.format.own_errors import OwnError
@@ -44,7 +44,7 @@ def _side(err: OwnError | None) -> list[Any]:
     return [err.rel_share, err.max_rel, err.mean_rel, err.rmse, ulp, err.small_breaches]
 
 
-def _row(order: Any, step: Any, rank: Any, api: str, bench: str, v: OwnVerdict) -> list[Any]:
+def _row(order: Any, step: Any, rank: Any, api: str, bench: str, v: OwnErrorVerdict) -> list[Any]:
     dtype = v.target.dtype if v.target is not None else NA
     reason = f"not replayed: {v.skipped}" if v.skipped else v.reason
     return [
@@ -61,7 +61,7 @@ def _row(order: Any, step: Any, rank: Any, api: str, bench: str, v: OwnVerdict) 
     ]
 
 
-def own_rows(result: CompareResult) -> list[list[Any]]:
+def own_error_rows(result: CompareResult) -> list[list[Any]]:
     """One row per call with own errors (or the reason it was not replayed), in execution order."""
     calls = sorted(result.own.items(), key=lambda item: result.apis[item[0]].order)
     return [
@@ -75,7 +75,7 @@ def self_check_rows(result: SelfCheckResult) -> list[list[Any]]:
     return [_row(n, c.step, c.rank, c.name, NA, c.own) for n, c in enumerate(result.calls)]
 
 
-def own_sheet(rows: Sequence[Sequence[Any]]) -> Sheet:
+def own_error_sheet(rows: Sequence[Sequence[Any]]) -> Sheet:
     def styles() -> Iterator[int]:
         for row in rows:
             yield RED if row[-2] == "Yes" else PLAIN
@@ -84,7 +84,7 @@ def own_sheet(rows: Sequence[Sequence[Any]]) -> Sheet:
     return Sheet("own_errors", OWN_COLUMNS, rows, styles(), widths, freeze_cols=4)
 
 
-def own_csv(rows: Sequence[Sequence[Any]]) -> str:
+def own_error_csv(rows: Sequence[Sequence[Any]]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(OWN_COLUMNS)
@@ -92,7 +92,7 @@ def own_csv(rows: Sequence[Sequence[Any]]) -> str:
     return buf.getvalue()
 
 
-def own_summary_dict(result: CompareResult) -> dict[str, Any] | None:
+def self_check_dict(result: CompareResult) -> dict[str, Any] | None:
     """summary.json's ``self_check``: whether out-of-line calls fail the compare, the counts, and the
     out-of-line calls (api, step, rank, reason); None when no call has own errors."""
     if not result.own:
@@ -109,9 +109,9 @@ def own_summary_dict(result: CompareResult) -> dict[str, Any] | None:
     }
 
 
-def own_line(result: CompareResult) -> str | None:
+def own_error_line(result: CompareResult) -> str | None:
     """``own errors: 120 calls replayed, 1 out of line (first: X, step 0, rank 0)`` (None without own errors)."""
-    summary = own_summary_dict(result)
+    summary = self_check_dict(result)
     if summary is None:
         return None
     ool = summary["out_of_line"]
@@ -122,7 +122,7 @@ def own_line(result: CompareResult) -> str | None:
     return text
 
 
-def own_html(result: CompareResult, limit: int = 10) -> str:
+def own_error_html(result: CompareResult, limit: int = 10) -> str:
     """The HTML fragment's table of the out-of-line calls ("" when none is)."""
     calls = result.out_of_line
     if not calls:

@@ -1,5 +1,5 @@
 """The first divergence's rules for when no call is shown to let the error in (see
-:mod:`pytest_msprobe.compare.divergence`): *grows* (errors flow into every call, the one that amplifies
+:mod:`pytest_msprobe.compare.diagnosis.divergence`): *grows* (errors flow into every call, the one that amplifies
 them), *inherited* (the earliest breaching call, whose inputs already differ) and *structural* (a call only
 one side makes, after which the numbers differ)."""
 
@@ -8,17 +8,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from pytest_msprobe.compare.calls import Calls, inputs_of_other_shapes
-from pytest_msprobe.compare.records import OUTPUT
-from pytest_msprobe.compare.result import (
-    ERROR,
-    GROWS,
-    INHERITED,
-    STRUCTURAL,
-    UNMATCHED,
-    Divergence,
-    fmt_number,
-)
+from pytest_msprobe.compare.diagnosis.calls import Calls, inputs_of_other_shapes
+from pytest_msprobe.compare.diagnosis.rules import GROWS, INHERITED, STRUCTURAL, Divergence
+from pytest_msprobe.compare.dumps import OUTPUT
+from pytest_msprobe.compare.judging import ERROR, UNMATCHED, fmt_number
 
 
 def grows(calls: Calls, breaching: list[int], amplification: float) -> Divergence | None:

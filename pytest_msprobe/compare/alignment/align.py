@@ -13,7 +13,7 @@ same dtypes and shapes although their names differ (``Tensor.__add__`` vs ``Torc
 its GPU counterpart).
 
 Last, independent calls of one API that ran in another order (q, k and v projections) are paired by what they
-read rather than by their counters (:mod:`pytest_msprobe.compare.interchange`).
+read rather than by their counters (:mod:`pytest_msprobe.compare.alignment.interchange`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from bisect import bisect_left
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.editscript import best_script, myers, slide
-from pytest_msprobe.compare.interchange import pair_by_content
-from pytest_msprobe.compare.metrics import stat_metrics
-from pytest_msprobe.compare.records import TENSOR, ApiEntry
+from pytest_msprobe.compare.alignment.editscript import best_script, myers, slide
+from pytest_msprobe.compare.alignment.interchange import pair_by_content
+from pytest_msprobe.compare.dumps import TENSOR, ApiEntry
+from pytest_msprobe.compare.judging import stat_metrics
 from pytest_msprobe.format.names import is_parameters_grad
 
 # Beyond this many edits the dumps are too different for an ordered alignment to mean much (and it would be
@@ -67,7 +67,7 @@ def signature(entry: ApiEntry) -> tuple[Hashable, ...]:
 
 def align(target: Sequence[ApiEntry], baseline: Sequence[ApiEntry], fuzzy: bool = False) -> Alignment:
     """The pairs of two dumps' entries (see the module docstring); interchangeable calls that ran in another
-    order are then paired by content (:mod:`pytest_msprobe.compare.interchange`)."""
+    order are then paired by content (:mod:`pytest_msprobe.compare.alignment.interchange`)."""
     if [e.name for e in target] == [e.name for e in baseline]:
         pairs, moved = pair_by_content([(i, i) for i in range(len(target))], target, baseline)
         return Alignment(tuple(pairs), "names", moved)

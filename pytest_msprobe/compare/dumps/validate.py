@@ -3,7 +3,7 @@
 The pytest plugin runs it on a test's baseline before the test body, so that an unusable baseline is an ERROR
 of the test's setup rather than a failure after minutes of training; it must therefore be cheap. It walks
 every dump.json (and our sidecars beside it: checklist.json, optimizer.json) with the same record checks as
-:func:`~pytest_msprobe.compare.records.read_dump` but builds no rows (about half the cost), and opens every
+:func:`~pytest_msprobe.compare.dumps.records.read_dump` but builds no rows (about half the cost), and opens every
 referenced tensor file only as far as its header (the pickle of a
 torch archive, the header of a .npy): never its values.
 
@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_msprobe.compare.records import (
+from pytest_msprobe.compare.dumps.records import (
     MAX_DEPTH,
     Dump,
     check_document,
@@ -26,7 +26,7 @@ from pytest_msprobe.compare.records import (
     record,
     tensor_path,
 )
-from pytest_msprobe.compare.tensors import open_tensor
+from pytest_msprobe.compare.dumps.tensors import open_tensor
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.checklist import read_checklist
 from pytest_msprobe.format.files import read_json
@@ -109,7 +109,7 @@ def _problem(name: str, body: Any, exc: BaseException) -> str:
 
 
 def _scan_entry(name: str, body: Any, tensors: list[_Tensor], md5: list[bool]) -> None:
-    """:func:`~pytest_msprobe.compare.records.flatten_entry`'s walk, checking records and building no rows
+    """:func:`~pytest_msprobe.compare.dumps.records.flatten_entry`'s walk, checking records and building no rows
     (``md5`` gets an item when a record carries a CRC)."""
     if type(body) is not dict:
         raise ValueError(f"{name}: entry is not an object")

@@ -30,7 +30,7 @@ difference between the dumped statistic and the one the relation predicts, scale
 residual there exceeds both :func:`floor` (1e-5, or the output dtype's epsilon where larger: what rounding and a
 float32 statistic leave) and 10 times the baseline's: a forward fault that adds 1e-3 noise to a relu's output
 moves its Max 1e-3 off the input's, while the baseline's is exact. The first divergence uses it where errors
-already flow into every call (see :mod:`pytest_msprobe.compare.divergence`).
+already flow into every call (see :mod:`pytest_msprobe.compare.diagnosis.divergence`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.records import OUTPUT, TENSOR, VALUE, Leaf
+from pytest_msprobe.compare.dumps import OUTPUT, TENSOR, VALUE, Leaf
 
 FLOOR = 1e-5  # a residual below this is rounding (a float32 Mean summed in float32 is good to ~1e-6)
 BASELINE_FACTOR = 10.0  # the target's residual must be this many times the baseline's

@@ -1,5 +1,5 @@
 """The checklist compare: each dump pair's two ``checklist.json`` files held to each other, every difference a
-:class:`~pytest_msprobe.compare.checklist.Difference` (see that module for the kinds and how values are held)."""
+:class:`~pytest_msprobe.compare.checklist.differences.Difference` (see that module for the kinds and how values are held)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.compare.checklist import (
+from pytest_msprobe.compare.checklist.differences import (
     BUFFER,
     ENVIRONMENT,
     HYPERPARAMETER,
@@ -21,8 +21,8 @@ from pytest_msprobe.compare.checklist import (
     same_value,
     value_text,
 )
-from pytest_msprobe.compare.checklist_settings import Calls, compare_settings
-from pytest_msprobe.compare.checklist_values import changed_outside, data_differences, tensor_differences
+from pytest_msprobe.compare.checklist.settings import Calls, compare_settings
+from pytest_msprobe.compare.checklist.values import changed_outside, data_differences, tensor_differences
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklist import read_checklist
 
@@ -239,7 +239,7 @@ def compare_checklists(
     ``breached``: the (step, rank) pairs whose calls breach; a buffer that differs as the next step starts is
     what those calls did (a batch norm's running statistics), already reported through them, not a drift.
     ``calls``: the calls where a differing numerics setting finds the first call it changes (see
-    :mod:`pytest_msprobe.compare.checklist_settings`).
+    :mod:`pytest_msprobe.compare.checklist.settings`).
     A pair whose sides do not both have a checklist is not compared, and says why in ``unchecked`` (a plain
     msprobe dump has none); a checklist that is there but broken raises DumpFormatError naming it.
     """

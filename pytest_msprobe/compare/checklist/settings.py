@@ -24,9 +24,9 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msprobe.compare.checklist import SETTING, SWITCH, Difference
-from pytest_msprobe.compare.records import TENSOR, Leaf, read_dump
-from pytest_msprobe.compare.result import UNMATCHED, ApiResult, RowResult
+from pytest_msprobe.compare.checklist.differences import SETTING, SWITCH, Difference
+from pytest_msprobe.compare.dumps import TENSOR, Leaf, read_dump
+from pytest_msprobe.compare.judging import UNMATCHED, ApiResult, RowResult
 from pytest_msprobe.compare.thresholds import FLOATING, normalize_dtype
 from pytest_msprobe.format.layout import DumpLocation
 from pytest_msprobe.format.precision import (

@@ -8,7 +8,7 @@ runs before the alignment of a dump pair and returns the entries to align:
 
 - each side's optimizer calls are found: from its ``optimizer.json`` (:mod:`pytest_msprobe.format.optimizer`),
   else construct.json's parent ``optimizer`` (level mix), else the stacks (torch.optim's code on them, see
-  :func:`pytest_msprobe.compare.modules.optimizer_step_call`);
+  :func:`pytest_msprobe.compare.dumps.modules.optimizer_step_call`);
 - when both sides made the same calls (same names, same order) they pair call by call; where both sides have
   a sidecar, each parameter's update from it follows the step's calls too, so that a weight the step left wrong
   is named at its update even where no recorded call made the change (a fused kernel, a post-step hook);
@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msprobe.compare.modules import gradient_housekeeping, optimizer_step_call, read_construct
-from pytest_msprobe.compare.records import (
+from pytest_msprobe.compare.dumps.modules import gradient_housekeeping, optimizer_step_call, read_construct
+from pytest_msprobe.compare.dumps.records import (
     INPUT,
     TENSOR,
     ApiEntry,

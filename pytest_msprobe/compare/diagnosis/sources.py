@@ -49,18 +49,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.overflow import WEIGHT_INPUTS
-from pytest_msprobe.compare.records import INPUT, OUTPUT, TENSOR, Leaf
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.diagnosis.rules import (
     BUFFER_SOURCE,
     DATA_SOURCE,
-    ERROR,
     PARAMETER_SOURCE,
-    UNMATCHED,
     UNRECORDED_SOURCE,
-    ApiResult,
-    RowResult,
 )
+from pytest_msprobe.compare.dumps import INPUT, OUTPUT, TENSOR, Leaf
+from pytest_msprobe.compare.judging import ERROR, UNMATCHED, WEIGHT_INPUTS, ApiResult, RowResult
 from pytest_msprobe.format.names import parse_name
 
 PARAMETER, BUFFER, DATA, UNRECORDED = PARAMETER_SOURCE, BUFFER_SOURCE, DATA_SOURCE, UNRECORDED_SOURCE

@@ -1,7 +1,7 @@
 """The checklist of dumps that carry none (plain msprobe dumps), read off their records where it can be.
 
 When the first divergence is an input from outside the recorded calls (rule ``source``, see
-:mod:`pytest_msprobe.compare.sources`) that is a ``parameter``, a ``buffer`` or ``data``, it is the checklist
+:mod:`pytest_msprobe.compare.diagnosis.sources`) that is a ``parameter``, a ``buffer`` or ``data``, it is the checklist
 difference the dumps would have shown had they carried a checklist, named by the row (plain dumps carry no
 parameter names) and pointing at its first reader (``call``). An input made by an operation that is not recorded
 is no checklist kind: the first divergence names it.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pytest_msprobe.compare.checklist import BUFFER, DATA, PARAMETER, Difference
-from pytest_msprobe.compare.result import SOURCE, ApiResult, Divergence, RowResult
-from pytest_msprobe.compare.sources import ALONE, CHANGED_SINCE
+from pytest_msprobe.compare.checklist.differences import BUFFER, DATA, PARAMETER, Difference
+from pytest_msprobe.compare.diagnosis import ALONE, CHANGED_SINCE, SOURCE, Divergence
+from pytest_msprobe.compare.judging import ApiResult, RowResult
 
 _WHAT = {PARAMETER: "a weight", BUFFER: "a running statistic", DATA: "an input"}  # the kinds a checklist has
 

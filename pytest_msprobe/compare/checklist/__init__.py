@@ -1,0 +1,20 @@
+"""What differs before any call: the two runs' checklists (data, weights, buffers, hyperparameters, structure,
+versions, numerics settings) compared (:func:`compare_checklists`), or read off the records where a run has none
+(:func:`from_records`)."""
+
+from __future__ import annotations
+
+from pytest_msprobe.compare.checklist.diff import compare_checklists
+from pytest_msprobe.compare.checklist.differences import SETTING, ChecklistResult, Difference
+from pytest_msprobe.compare.checklist.from_records import from_records
+from pytest_msprobe.compare.checklist.settings import compared_calls, recorded_calls
+
+__all__ = [
+    "SETTING",
+    "ChecklistResult",
+    "Difference",
+    "compare_checklists",
+    "compared_calls",
+    "from_records",
+    "recorded_calls",
+]

@@ -1,0 +1,15 @@
+"""The trend over many steps (loss, gradient norm): two runs' trends compared step by step."""
+
+from __future__ import annotations
+
+from pytest_msprobe.compare.trend.compare import compare_trends
+from pytest_msprobe.compare.trend.result import GRAD_NORM, LOSS, TrendResult, TrendRow, tolerance_text
+
+__all__ = [
+    "GRAD_NORM",
+    "LOSS",
+    "TrendResult",
+    "TrendRow",
+    "compare_trends",
+    "tolerance_text",
+]
