@@ -67,9 +67,11 @@ def _summary(pytester: pytest.Pytester) -> dict:
     return json.loads(path.read_text())
 
 
-def test_a_run_without_backward_fails_naming_what_was_not_compared(gated: pytest.Pytester) -> None:
+def test_a_run_without_backward_fails_naming_what_was_not_compared(
+    gated: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert gated.runpytest(*BASE, "--msprobe-baseline=baselines").ret == 0  # the same run passes
-    gated._monkeypatch.setenv("NO_BACKWARD", "1")
+    monkeypatch.setenv("NO_BACKWARD", "1")
     result = gated.runpytest(*BASE, "--msprobe-baseline=baselines")
     result.assert_outcomes(failed=1, errors=0)
     result.stdout.fnmatch_lines(
@@ -99,19 +101,21 @@ def test_a_run_without_backward_fails_naming_what_was_not_compared(gated: pytest
     ],
 )
 def test_the_limit_from_the_command_line_the_ini_or_the_marker(
-    gated: pytest.Pytester, how: str, args: list[str]
+    gated: pytest.Pytester, how: str, args: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gated._monkeypatch.setenv("NO_BACKWARD", "1")
+    monkeypatch.setenv("NO_BACKWARD", "1")
     if how == "marker":
-        gated._monkeypatch.setenv("MAX_UNMATCHED", "90%")
+        monkeypatch.setenv("MAX_UNMATCHED", "90%")
     result = gated.runpytest(*BASE, "--msprobe-baseline=baselines", *args)
     result.assert_outcomes(passed=1)
     assert _summary(gated)["coverage"]["max_unmatched"] == pytest.approx(0.9)
 
 
-def test_the_command_line_wins_over_the_marker(gated: pytest.Pytester) -> None:
-    gated._monkeypatch.setenv("NO_BACKWARD", "1")
-    gated._monkeypatch.setenv("MAX_UNMATCHED", "90%")
+def test_the_command_line_wins_over_the_marker(
+    gated: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NO_BACKWARD", "1")
+    monkeypatch.setenv("MAX_UNMATCHED", "90%")
     result = gated.runpytest(*BASE, "--msprobe-baseline=baselines", "--msprobe-max-unmatched=0")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*too little compared: *; the limit is 0%"])
@@ -154,8 +158,8 @@ def test_bad_limits_are_usage_errors(pytester: pytest.Pytester, args: list[str],
     result.stderr.fnmatch_lines([f"*--msprobe-max-unmatched*{quoted}*"])
 
 
-def test_a_bad_marker_value_names_the_test(gated: pytest.Pytester) -> None:
-    gated._monkeypatch.setenv("MAX_UNMATCHED", "lots")
+def test_a_bad_marker_value_names_the_test(gated: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_UNMATCHED", "lots")
     result = gated.runpytest(*BASE, "--msprobe-baseline=baselines")
     result.assert_outcomes(errors=1)  # as every bad marker value: from the fixture, at set-up
     result.stdout.fnmatch_lines(

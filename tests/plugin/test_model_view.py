@@ -167,12 +167,12 @@ def test_the_page_draws(page: Path, tmp_path: Path) -> None:
 
 
 def test_a_test_run_writes_the_page_and_links_it_from_its_html_row(
-    pytester: pytest.Pytester, train_test, fault_plugin, tmp_path: Path
+    pytester: pytest.Pytester, train_test, fault_plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     train_test()
     base = ["-p", "no:cacheprovider"]
     pytester.runpytest(*base, "--msprobe-baseline=bl", "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     report = pytester.path / "report.html"
     result = pytester.runpytest(*base, "-p", fault_plugin, "--msprobe-baseline=bl", f"--html={report}")
     result.assert_outcomes(failed=1)

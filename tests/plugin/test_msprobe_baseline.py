@@ -46,7 +46,9 @@ TEST = textwrap.dedent(
 
 
 @pytest.mark.parametrize("version", ["msprobe-8.3.3", "msprobe-26.2.0"])
-def test_a_plain_msprobe_dump_works_as_a_baseline(pytester: pytest.Pytester, version: str) -> None:
+def test_a_plain_msprobe_dump_works_as_a_baseline(
+    pytester: pytest.Pytester, version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytester.makepyfile(test_tiny=TEST)
     shutil.copytree(
         DATA / version / "dumps" / "bench" / "stat_L1",
@@ -55,7 +57,7 @@ def test_a_plain_msprobe_dump_works_as_a_baseline(pytester: pytest.Pytester, ver
     clean = pytester.runpytest("-p", "no:cacheprovider", "--msprobe-baseline=bl")
     clean.assert_outcomes(passed=1)
 
-    pytester._monkeypatch.setenv("PERTURB", "1")
+    monkeypatch.setenv("PERTURB", "1")
     faulty = pytester.runpytest("-p", "no:cacheprovider", "--msprobe-baseline=bl")
     faulty.assert_outcomes(failed=1, errors=0)
     faulty.stdout.fnmatch_lines(["*first divergence: Functional.relu.2.forward (step 0, rank 0)*"])

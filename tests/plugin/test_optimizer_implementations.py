@@ -57,9 +57,9 @@ SOURCE = textwrap.dedent(
 
 
 @pytest.fixture
-def single_baseline(pytester: pytest.Pytester) -> pytest.Pytester:
+def single_baseline(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytester.makepyfile(test_train=SOURCE)
-    pytester._monkeypatch.setenv("IMPL", "single")
+    monkeypatch.setenv("IMPL", "single")
     regen = pytester.runpytest(*BASE, "--msprobe-baseline=baselines", "--msprobe-regen-baseline")
     regen.assert_outcomes(passed=1)
     return pytester
@@ -72,9 +72,9 @@ def _summary(pytester: pytest.Pytester) -> dict:
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_another_implementation_passes_with_every_row_paired(
-    single_baseline: pytest.Pytester, impl: str
+    single_baseline: pytest.Pytester, impl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    single_baseline._monkeypatch.setenv("IMPL", impl)
+    monkeypatch.setenv("IMPL", impl)
     result = single_baseline.runpytest(*BASE, "--msprobe-baseline=baselines")
     result.assert_outcomes(passed=1)
     summary = _summary(single_baseline)
@@ -82,9 +82,11 @@ def test_another_implementation_passes_with_every_row_paired(
     assert summary["counts"]["unmatched"] == 0
 
 
-def test_a_wrong_update_fails_naming_it(single_baseline: pytest.Pytester) -> None:
-    single_baseline._monkeypatch.setenv("IMPL", "foreach")
-    single_baseline._monkeypatch.setenv("FAULT", "1e-3")
+def test_a_wrong_update_fails_naming_it(
+    single_baseline: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IMPL", "foreach")
+    monkeypatch.setenv("FAULT", "1e-3")
     result = single_baseline.runpytest(*BASE, "--msprobe-baseline=baselines")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(

@@ -11,10 +11,12 @@ from chromium import CHROMIUM, CHROMIUM_FLAGS, png_size_and_ink
 BASE = ["-p", "no:cacheprovider"]
 
 
-def _failing_html_report(pytester: pytest.Pytester, train_test, fault_plugin: str) -> Path:
+def _failing_html_report(
+    pytester: pytest.Pytester, train_test, fault_plugin: str, monkeypatch: pytest.MonkeyPatch
+) -> Path:
     train_test()
     pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     html = pytester.path / "report.html"
     result = pytester.runpytest(*BASE, "-p", fault_plugin, "--msprobe-baseline=bl", f"--html={html}")
     result.assert_outcomes(failed=1, errors=0)
@@ -22,9 +24,9 @@ def _failing_html_report(pytester: pytest.Pytester, train_test, fault_plugin: st
 
 
 def test_html_report_carries_advisor_table_plot_and_links(
-    pytester: pytest.Pytester, train_test, fault_plugin
+    pytester: pytest.Pytester, train_test, fault_plugin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    html = _failing_html_report(pytester, train_test, fault_plugin)
+    html = _failing_html_report(pytester, train_test, fault_plugin, monkeypatch)
     text = html.read_text()
     # pytest-html 4 stores each test's extras in a JSON blob the page renders: check what it will show
     assert "Functional.relu.1.forward" in text
@@ -37,9 +39,9 @@ def test_html_report_carries_advisor_table_plot_and_links(
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian package chromium)")
 def test_html_report_renders_in_chromium(
-    pytester: pytest.Pytester, train_test, fault_plugin, tmp_path: Path
+    pytester: pytest.Pytester, train_test, fault_plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    html = _failing_html_report(pytester, train_test, fault_plugin)
+    html = _failing_html_report(pytester, train_test, fault_plugin, monkeypatch)
     profile = tmp_path / "profile"
     common = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1280,2000"]
     # the rendered DOM: pytest-html builds its table with JavaScript; expand every row so extras are in it

@@ -105,7 +105,9 @@ FORTY = """
     """
 
 
-def test_a_relu_wrong_from_step_25_is_named_at_step_25(pytester: pytest.Pytester) -> None:
+def test_a_relu_wrong_from_step_25_is_named_at_step_25(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _write(pytester, FORTY)
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
     folder = _folder(pytester)
@@ -121,8 +123,8 @@ def test_a_relu_wrong_from_step_25_is_named_at_step_25(pytester: pytest.Pytester
     same = _run(pytester)
     same.assert_outcomes(passed=1)
 
-    pytester._monkeypatch.setenv("FAULT", "0.05")
-    pytester._monkeypatch.setenv("FAULT_FROM", "25")
+    monkeypatch.setenv("FAULT", "0.05")
+    monkeypatch.setenv("FAULT_FROM", "25")
     fail = _run(pytester, "-rN")
     fail.assert_outcomes(failed=1, errors=0)
     fail.stdout.fnmatch_lines(
@@ -152,10 +154,12 @@ SHORT = """
     """
 
 
-def test_a_trend_that_differs_where_every_api_agrees_fails_and_says_so(pytester: pytest.Pytester) -> None:
+def test_a_trend_that_differs_where_every_api_agrees_fails_and_says_so(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _write(pytester, SHORT)
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("OFF", "5")  # the loss given is off from step 5, the computation is not
+    monkeypatch.setenv("OFF", "5")  # the loss given is off from step 5, the computation is not
     fail = _run(pytester)
     fail.assert_outcomes(failed=1)
     fail.stdout.fnmatch_lines(
@@ -169,18 +173,20 @@ def test_a_trend_that_differs_where_every_api_agrees_fails_and_says_so(pytester:
     _run(pytester, "--msprobe-trend-rtol=0.01").assert_outcomes(passed=1)
 
 
-def test_a_loop_shorter_than_trend_steps_fails_in_regeneration_and_compare(pytester: pytest.Pytester) -> None:
+def test_a_loop_shorter_than_trend_steps_fails_in_regeneration_and_compare(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _write(pytester, SHORT)
-    pytester._monkeypatch.setenv("LOOP", "5")
+    monkeypatch.setenv("LOOP", "5")
     regen = _run(pytester, "--msprobe-regen-baseline")
     regen.assert_outcomes(failed=1)
     regen.stdout.fnmatch_lines(
         ["*the loop ran 5 step(s), though the test compares a trend of trend_steps=8 steps*"]
     )
     assert not _folder(pytester).exists()  # no baseline is written
-    pytester._monkeypatch.setenv("LOOP", "8")
+    monkeypatch.setenv("LOOP", "8")
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("LOOP", "5")
+    monkeypatch.setenv("LOOP", "5")
     short = _run(pytester)
     short.assert_outcomes(failed=1)
     short.stdout.fnmatch_lines(
@@ -227,6 +233,7 @@ def test_a_loss_never_given_fails_with_one_line(pytester: pytest.Pytester) -> No
 
 def test_a_model_built_by_a_fixture_cannot_be_re_run_and_the_message_says_where_to_build_it(
     pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _write(
         pytester,
@@ -243,8 +250,8 @@ def test_a_model_built_by_a_fixture_cannot_be_re_run_and_the_message_says_where_
         """,
     )
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("FAULT", "0.05")
-    pytester._monkeypatch.setenv("FAULT_FROM", "5")
+    monkeypatch.setenv("FAULT", "0.05")
+    monkeypatch.setenv("FAULT_FROM", "5")
     result = _run(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
@@ -287,12 +294,13 @@ DDP_TREND = textwrap.dedent(
 
 def test_each_rank_has_its_trend_and_a_multi_rank_test_names_the_steps_to_dump(
     pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pytester.makepyfile(test_ddp=DDP_TREND)
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
     folder = pytester.path / "bl" / "test_ddp" / "test_ddp"
     assert {"trend_rank0.json", "trend_rank1.json", "step2"} <= {p.name for p in folder.iterdir()}
-    pytester._monkeypatch.setenv("OFF", "1")
+    monkeypatch.setenv("OFF", "1")
     fail = _run(pytester)
     fail.assert_outcomes(failed=1)
     fail.stdout.fnmatch_lines(
