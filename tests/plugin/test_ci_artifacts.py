@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plugin_sources import BASE
 
 from pytest_msprobe.report import links
 
-BASE = ["-p", "no:cacheprovider"]
 PIPELINE = Path(__file__).resolve().parents[2] / "examples" / "resnet50" / "ci" / "precision-gate.yml"
 LOOSE = '@pytest.mark.msprobe(task="statistics", level="L1", steps=[0, 1], rtol=0.5)'  # passes the 1% fault
 

@@ -6,50 +6,43 @@ import json
 import textwrap
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE, with_net
 
 # A small CNN's training steps; NO_BACKWARD=1 leaves out backward() and optimizer.step(), MAX_UNMATCHED sets the
 # marker's max_unmatched= (absent: the marker leaves it to the ini and the default).
-SOURCE = textwrap.dedent(
-    """
-    import os
+SOURCE = with_net(
+    textwrap.dedent(
+        """
+        import os
 
-    import pytest
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
-            self.bn = nn.BatchNorm2d(6)
-            self.fc = nn.Linear(6, 4)
-
-        def forward(self, x):
-            x = F.relu(self.bn(self.conv(x)))
-            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        import pytest
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
 
 
-    EXTRA = {"max_unmatched": os.environ["MAX_UNMATCHED"]} if "MAX_UNMATCHED" in os.environ else {}
+        NET
 
 
-    @pytest.mark.msprobe(steps=[0], **EXTRA)
-    def test_train(msprobe):
-        model = Net().to(msprobe.device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
-        y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
-        with msprobe.step(model):
-            loss = F.cross_entropy(model(x), y)
-            if not os.environ.get("NO_BACKWARD"):
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-    """
+        EXTRA = {"max_unmatched": os.environ["MAX_UNMATCHED"]} if "MAX_UNMATCHED" in os.environ else {}
+
+
+        @pytest.mark.msprobe(steps=[0], **EXTRA)
+        def test_train(msprobe):
+            model = Net().to(msprobe.device)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
+            y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
+            with msprobe.step(model):
+                loss = F.cross_entropy(model(x), y)
+                if not os.environ.get("NO_BACKWARD"):
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        """
+    ),
+    conv2=False,
 )
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plugin_sources import BASE
 
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
 TENSOR = '@pytest.mark.msprobe(task="tensor", level="L1", steps=[0, 1])'
 
 

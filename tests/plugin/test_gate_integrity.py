@@ -17,8 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE
 
 
 def _folder(pytester: pytest.Pytester, root: str = "bl", name: str = "test_train") -> Path:

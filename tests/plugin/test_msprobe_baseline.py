@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from plugin_sources import BASE
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "msprobe"
 
@@ -54,10 +55,10 @@ def test_a_plain_msprobe_dump_works_as_a_baseline(
         DATA / version / "dumps" / "bench" / "stat_L1",
         pytester.path / "bl" / "test_tiny" / "test_tiny_resnet",
     )
-    clean = pytester.runpytest("-p", "no:cacheprovider", "--msprobe-baseline=bl")
+    clean = pytester.runpytest(*BASE, "--msprobe-baseline=bl")
     clean.assert_outcomes(passed=1)
 
     monkeypatch.setenv("PERTURB", "1")
-    faulty = pytester.runpytest("-p", "no:cacheprovider", "--msprobe-baseline=bl")
+    faulty = pytester.runpytest(*BASE, "--msprobe-baseline=bl")
     faulty.assert_outcomes(failed=1, errors=0)
     faulty.stdout.fnmatch_lines(["*first divergence: Functional.relu.2.forward (step 0, rank 0)*"])

@@ -9,8 +9,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider"]
+from plugin_sources import BASE
 
 
 def _properties(junit: Path) -> dict[str, dict[str, str]]:

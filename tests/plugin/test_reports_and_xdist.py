@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 from chromium import CHROMIUM, CHROMIUM_FLAGS, png_size_and_ink
-
-BASE = ["-p", "no:cacheprovider"]
+from plugin_sources import BASE
 
 
 def _failing_html_report(

@@ -9,79 +9,69 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE, with_net
 
 # A small CNN; FAULT (a relative error of the functional relus) from step FAULT_FROM, counted by the debugger.
-TREND_TEST = textwrap.dedent(
-    """
-    import os
-    import pytest
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+TREND_TEST = with_net(
+    textwrap.dedent(
+        """
+        import os
+        import pytest
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
 
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
-            self.bn = nn.BatchNorm2d(6)
-            self.conv2 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
-            self.fc = nn.Linear(6, 4)
-
-        def forward(self, x):
-            x = F.relu(self.bn(self.conv(x)))
-            x = F.relu(self.conv2(x))
-            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        NET
 
 
-    class FaultyRelu(torch.autograd.Function):  # a wrong kernel with its own autograd node
-        @staticmethod
-        def forward(ctx, x, scale):
-            out = torch.clamp_min(x, 0) * (1.0 + scale)
-            ctx.save_for_backward(out)
-            return out
+        class FaultyRelu(torch.autograd.Function):  # a wrong kernel with its own autograd node
+            @staticmethod
+            def forward(ctx, x, scale):
+                out = torch.clamp_min(x, 0) * (1.0 + scale)
+                ctx.save_for_backward(out)
+                return out
 
-        @staticmethod
-        def backward(ctx, grad):
-            (out,) = ctx.saved_tensors
-            return grad * (out > 0), None
-
-
-    def fault(msprobe, monkeypatch):
-        scale, start = float(os.environ.get("FAULT", "0")), int(os.environ.get("FAULT_FROM", "0"))
-        if not scale:
-            return
-        orig = F.relu
-
-        def relu(x, inplace=False):
-            if msprobe.debugger.current_step >= start:
-                return FaultyRelu.apply(x, scale)
-            return orig(x, inplace=inplace)
-
-        monkeypatch.setattr(F, "relu", relu)
+            @staticmethod
+            def backward(ctx, grad):
+                (out,) = ctx.saved_tensors
+                return grad * (out > 0), None
 
 
-    def train(msprobe, steps, model=None, give_loss=True, loss_scale_from=None):
-        model = model if model is not None else Net().to(msprobe.device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        g = torch.Generator().manual_seed(0)
-        for step in range(steps):
-            x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
-            y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
-            with msprobe.step(model):
-                loss = F.cross_entropy(model(x), y)
-                if give_loss:
-                    off = loss_scale_from is not None and step >= loss_scale_from
-                    msprobe.loss(loss.item() * (1.001 if off else 1.0))
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+        def fault(msprobe, monkeypatch):
+            scale, start = float(os.environ.get("FAULT", "0")), int(os.environ.get("FAULT_FROM", "0"))
+            if not scale:
+                return
+            orig = F.relu
+
+            def relu(x, inplace=False):
+                if msprobe.debugger.current_step >= start:
+                    return FaultyRelu.apply(x, scale)
+                return orig(x, inplace=inplace)
+
+            monkeypatch.setattr(F, "relu", relu)
 
 
-    BODY
-    """
+        def train(msprobe, steps, model=None, give_loss=True, loss_scale_from=None):
+            model = model if model is not None else Net().to(msprobe.device)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            g = torch.Generator().manual_seed(0)
+            for step in range(steps):
+                x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
+                y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
+                with msprobe.step(model):
+                    loss = F.cross_entropy(model(x), y)
+                    if give_loss:
+                        off = loss_scale_from is not None and step >= loss_scale_from
+                        msprobe.loss(loss.item() * (1.001 if off else 1.0))
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+
+
+        BODY
+        """
+    )
 )
 
 

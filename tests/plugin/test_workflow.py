@@ -7,8 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE
 
 
 def _baseline_folder(pytester: pytest.Pytester, name: str = "test_train") -> Path:
