@@ -201,6 +201,7 @@ def test_a_self_contained_report_embeds_the_files(
     assert f'download="{advisor_name}"' in fragment  # the smaller ones still are
 
 
+@pytest.mark.slow
 def test_under_xdist_the_controller_writes_the_summary_of_every_worker(
     pytester: pytest.Pytester, train_source: str
 ) -> None:

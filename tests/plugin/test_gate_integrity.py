@@ -167,6 +167,7 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, out
 
 
+@pytest.mark.slow
 def test_the_same_test_in_four_xdist_workers_regenerates_one_whole_baseline(
     pytester: pytest.Pytester, train_source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -192,6 +193,7 @@ def test_the_same_test_in_four_xdist_workers_regenerates_one_whole_baseline(
 
 
 @pytest.mark.parametrize("first", ["regen", "compare"])
+@pytest.mark.slow
 def test_two_sessions_sharing_one_output_folder_never_read_each_others_dumps(
     pytester: pytest.Pytester, train_source: str, tmp_path: Path, first: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

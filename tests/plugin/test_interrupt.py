@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from plugin_sources import BASE
 
+pytestmark = pytest.mark.slow  # many interrupted pytest runs
+
 ARGS = [*BASE, "-p", "no:xdist"]
 
 BODY = """

@@ -112,6 +112,7 @@ def _properties(xml: Path) -> dict[str, str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+@pytest.mark.slow
 def test_two_gloo_ranks_regen_pass_and_a_fault_on_rank_one_names_rank_one(
     pytester: pytest.Pytester, fault_plugin: str
 ) -> None:
@@ -185,6 +186,7 @@ XDIST = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
+@pytest.mark.slow
 def test_multi_rank_tests_under_xdist_get_their_own_process_groups(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_sums=XDIST, test_bad=BAD_RANKS)
     # two workers, each launching two ranks at the same time: a shared port or folder would break one of them

@@ -83,6 +83,7 @@ def test_a_missing_baseline_is_reported_and_passes(pytester: pytest.Pytester, tr
     assert (test["verdict"], test["outcome"]) == ("missing", "passed")
 
 
+@pytest.mark.slow
 def test_the_marker_and_the_ini_choose_per_test(
     pytester: pytest.Pytester, train_test, fault_plugin, monkeypatch: pytest.MonkeyPatch
 ) -> None:

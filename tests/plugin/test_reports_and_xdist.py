@@ -65,6 +65,7 @@ def test_html_report_renders_in_chromium(
     assert ink > 0.01, f"the screenshot is blank ({ink:.4f} of pixels drawn)"
 
 
+@pytest.mark.slow
 def test_xdist_regen_and_compare_many_tests(pytester: pytest.Pytester, train_source: str) -> None:
     body = train_source.replace(
         "MARKER",
@@ -91,6 +92,7 @@ def test_xdist_regen_and_compare_many_tests(pytester: pytest.Pytester, train_sou
         assert len(list(reports.glob("compare_result_*.xlsx"))) == 1
 
 
+@pytest.mark.slow
 def test_four_workers_regen_and_compare_twelve_tests_without_clashes(
     pytester: pytest.Pytester, train_source: str
 ) -> None:

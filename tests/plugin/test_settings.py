@@ -168,6 +168,7 @@ def test_the_baselines_manifest_records_whether_tf32_was_allowed(
     assert json.loads((baseline / "msprobe_manifest.json").read_text())["extra"]["allow_tf32"] is True
 
 
+@pytest.mark.slow
 def test_a_setting_that_differs_from_the_baselines_fails_named_with_its_first_call(
     pytester: pytest.Pytester, baseline: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -95,6 +95,7 @@ FORTY = """
     """
 
 
+@pytest.mark.slow
 def test_a_relu_wrong_from_step_25_is_named_at_step_25(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -144,6 +145,7 @@ SHORT = """
     """
 
 
+@pytest.mark.slow
 def test_a_trend_that_differs_where_every_api_agrees_fails_and_says_so(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -282,6 +284,7 @@ DDP_TREND = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_each_rank_has_its_trend_and_a_multi_rank_test_names_the_steps_to_dump(
     pytester: pytest.Pytester,
     monkeypatch: pytest.MonkeyPatch,
