@@ -66,33 +66,6 @@ def test_html_report_renders_in_chromium(
 
 
 @pytest.mark.slow
-def test_xdist_regen_and_compare_many_tests(pytester: pytest.Pytester, train_source: str) -> None:
-    body = train_source.replace(
-        "MARKER",
-        '@pytest.mark.parametrize("lr", [0.01, 0.02, 0.03, 0.04])\n@pytest.mark.msprobe(steps=[0, 1])',
-    ).replace(
-        "def test_train(msprobe):\n    train(msprobe)", "def test_train(msprobe, lr):\n    train(msprobe)"
-    )
-    pytester.makepyfile(test_many=body)
-    regen = pytester.runpytest_subprocess(
-        *BASE, "-n", "2", "--msprobe-baseline=bl", "--msprobe-regen-baseline"
-    )
-    regen.assert_outcomes(passed=4)
-    regen.stdout.fnmatch_lines(["*4 baseline(s) written to*"])
-    folders = sorted(
-        p.name for p in (pytester.path / "bl" / "test_many").iterdir() if not p.name.startswith(".")
-    )
-    assert folders == ["test_train[0.01]", "test_train[0.02]", "test_train[0.03]", "test_train[0.04]"]
-    compared = pytester.runpytest_subprocess(*BASE, "-n", "2", "--msprobe-baseline=bl")
-    compared.assert_outcomes(passed=4)
-    assert compared.stdout.str().count("PASSED       test_many.py::test_train[") == 4
-    for folder in folders:
-        reports = pytester.path / "msprobe-output" / "test_many" / folder / "compare"
-        assert (reports / "summary.json").is_file()
-        assert len(list(reports.glob("compare_result_*.xlsx"))) == 1
-
-
-@pytest.mark.slow
 def test_four_workers_regen_and_compare_twelve_tests_without_clashes(
     pytester: pytest.Pytester, train_source: str
 ) -> None:
