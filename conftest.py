@@ -10,7 +10,8 @@ Two guards for the whole suite, so that one broken test stays one failure:
 - after each test, whatever it left of a dump (a started debugger, API wrappers, gradients switched off) is
   cleaned up and reported as that test's error, instead of failing every later test that starts a debugger;
 - once the session is over, a watchdog prints every thread's stack and ends the process if it has not exited
-  within a few minutes (a thread that never finishes would otherwise hold the run until CI's time runs out).
+  within a few minutes (a thread that never finishes would otherwise hold the run until CI's time runs out);
+  under xdist it watches the controller, which ends its workers itself.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ EXIT_GRACE_S = 300.0
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    """A bare `pytest` gets `-n auto`: CI's 2 cores run the suite in about half the time. Runs before xdist's
-    own hook (registered later, called first), so xdist turns it into workers as if it had been typed."""
+    """A bare `pytest` gets `-n auto`, so that every core of CI's machine runs tests. Runs before xdist's own
+    hook (registered later, called first), so xdist turns it into workers as if it had been typed."""
     if (
         config.args_source is pytest.Config.ArgsSource.TESTPATHS
         and config.pluginmanager.hasplugin("xdist")
