@@ -1,11 +1,17 @@
 """Repository-level pytest configuration (each test folder keeps its own fixtures in its conftest.py).
 
+The whole suite, run as the README says (a bare `pytest`, tests from testpaths), runs on every core with
+pytest-xdist; a run naming its tests (`pytest tests/plugin/test_trend.py`) stays in one process, and `-n 0` or
+`-p no:xdist` keeps any run there (for --pdb, print debugging). `pytest -m "not slow"` leaves out the tests that
+take over ~20 s (marked `slow`) for a quick loop; CI runs them all.
+
 Two guards for the whole suite, so that one broken test stays one failure:
 
 - after each test, whatever it left of a dump (a started debugger, API wrappers, gradients switched off) is
   cleaned up and reported as that test's error, instead of failing every later test that starts a debugger;
 - once the session is over, a watchdog prints every thread's stack and ends the process if it has not exited
-  within a few minutes (a thread that never finishes would otherwise hold the run until CI's time runs out).
+  within a few minutes (a thread that never finishes would otherwise hold the run until CI's time runs out);
+  under xdist it watches the controller, which ends its workers itself.
 """
 
 from __future__ import annotations
@@ -22,6 +28,20 @@ import pytest
 pytest_plugins = ["pytester"]
 
 EXIT_GRACE_S = 300.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """A bare `pytest` gets `-n auto`, so that every core of CI's machine runs tests. Runs before xdist's own
+    hook (registered later, called first), so xdist turns it into workers as if it had been typed."""
+    if (
+        config.args_source is pytest.Config.ArgsSource.TESTPATHS
+        and config.pluginmanager.hasplugin("xdist")
+        and not hasattr(config, "workerinput")
+        and config.option.numprocesses is None
+        and not config.option.tx
+    ):
+        config.option.numprocesses = "auto"
 
 
 def _dump_leftovers() -> list[str]:
@@ -60,7 +80,22 @@ def _one_test_leaks_into_no_other() -> Iterator[None]:
         pytest.fail("the test left dump state behind (cleaned up now): " + "; ".join(found), pytrace=False)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, the modules holding slow tests go first (each module kept whole, in its own order): the long
+    tests are dealt out to the workers at the start, and the run does not end on one worker finishing a long
+    test while the others idle. Every worker sorts alike, as xdist needs; a run in one process keeps its order."""
+    if not hasattr(config, "workerinput"):
+        return
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        # an xdist worker that has run its share waits for the controller, which ends it (and kills it if it
+        # hangs): a watchdog here would kill a worker whose session ended while the others still run
+        return
+
     def watch() -> None:
         threading.Event().wait(EXIT_GRACE_S)
         sys.stderr.write(f"\nthe test process has not exited {EXIT_GRACE_S:.0f} s after the session ended:\n")

@@ -23,6 +23,8 @@ import pytest
 from pytest_msprobe.compare.result import ENTERS, INCONSISTENT, OUT_OF_LINE
 from pytest_msprobe.compare.run import compare
 
+pytestmark = pytest.mark.slow  # the example run on two simulated devices, in subprocesses
+
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = (
     ROOT / "examples/resnet50/baselines/cpu/examples/resnet50/test_resnet50/test_resnet50_training_steps"

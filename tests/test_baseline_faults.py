@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,13 +169,22 @@ def _child(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
-@pytest.fixture
-def versions(tmp_path: Path) -> BaselineStore:
-    """Dumps ``old``, ``new``, ``a`` and ``b``; the store holds ``old``."""
+@pytest.fixture(scope="session")
+def written_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Dumps ``old``, ``new``, ``a`` and ``b``, and a store that a child process wrote ``old`` into: made once,
+    since every test that breaks a store starts from this one (a child process costs seconds)."""
+    root = tmp_path_factory.mktemp("versions")
     for version in ("old", "new", "a", "b"):
-        _make_dump(tmp_path, version)
-    proc = _child(tmp_path, "old")
+        _make_dump(root, version)
+    proc = _child(root, "old")
     assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+    return root
+
+
+@pytest.fixture
+def versions(tmp_path: Path, written_once: Path) -> BaselineStore:
+    """Dumps ``old``, ``new``, ``a`` and ``b``; the store holds ``old``. The test's own copy, to break."""
+    shutil.copytree(written_once, tmp_path, dirs_exist_ok=True)
     return BaselineStore(tmp_path / "baselines")
 
 

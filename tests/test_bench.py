@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_dump_overhead_quick_run_reports_each_loop(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     run = subprocess.run(

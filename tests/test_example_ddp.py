@@ -36,7 +36,10 @@ RANK1_FAULT = textwrap.dedent(
     """
 )
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="multi-rank tests: POSIX")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="multi-rank tests: POSIX"),
+    pytest.mark.slow,  # two-rank runs of the example
+]
 
 
 def _pytest(tmp_path: Path, *args: str, fault: bool = False) -> subprocess.CompletedProcess[str]:

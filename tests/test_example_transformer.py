@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # whole pytest runs of the example, one per fault
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "examples" / "transformer" / "baselines" / "cpu"
 NODE = "examples/transformer/test_transformer.py::test_transformer_training_steps"

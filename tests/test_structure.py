@@ -1,4 +1,4 @@
-"""The package's walls: which layer may import what, module sizes, and where each option is spelled."""
+"""The package's walls: which layer may import what, and where each option is spelled."""
 
 from __future__ import annotations
 
@@ -81,11 +81,9 @@ def test_report_reads_the_compare_result_only() -> None:
         assert used <= {"pytest_msprobe.compare.result"}, (path, used)
 
 
-def test_no_module_swaps_its_class_and_none_is_too_big() -> None:
+def test_no_module_swaps_its_class() -> None:
     for path in MODULES:
-        text = path.read_text(encoding="utf-8")
-        assert not re.search(r"\.__class__\s*=", text), path
-        assert text.count("\n") <= 520, f"{path.relative_to(PACKAGE)}: {text.count(chr(10))} lines"
+        assert not re.search(r"\.__class__\s*=", path.read_text(encoding="utf-8")), path
 
 
 def test_each_option_is_spelled_in_the_option_table_only() -> None:

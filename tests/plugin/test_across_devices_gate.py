@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from plugin_sources import BASE
 
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly", "--msprobe-baseline=baselines"]
+ARGS = [*BASE, "--msprobe-baseline=baselines"]
 TF32 = ["-p", "tests.devices", "--simulate-device=tf32", "--msprobe-self-check"]
 
 
@@ -26,8 +27,8 @@ def _summary(pytester: pytest.Pytester) -> dict:
 
 def test_a_tf32_run_against_a_cpu_baseline_names_the_setting(pytester: pytest.Pytester, train_test) -> None:
     train_test()
-    pytester.runpytest(*BASE, "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    result = pytester.runpytest(*BASE, *TF32)
+    pytester.runpytest(*ARGS, "--msprobe-regen-baseline").assert_outcomes(passed=1)
+    result = pytester.runpytest(*ARGS, *TF32)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -56,8 +57,8 @@ def test_an_op_fault_under_tf32_is_named_at_its_call_before_the_setting(
     pytester: pytest.Pytester, train_test, fault: str, call: str
 ) -> None:
     train_test()
-    pytester.runpytest(*BASE, "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    result = pytester.runpytest(*BASE, *TF32, f"--simulate-fault={fault}")
+    pytester.runpytest(*ARGS, "--msprobe-regen-baseline").assert_outcomes(passed=1)
+    result = pytester.runpytest(*ARGS, *TF32, f"--simulate-fault={fault}")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([f"first divergence: {call} (step 0, rank 0), row {call}.output.0"])
     entry = _summary(pytester)
@@ -69,8 +70,8 @@ def test_the_same_setting_on_both_sides_passes_clean_and_names_a_fault(
     pytester: pytest.Pytester, train_test
 ) -> None:
     train_test()
-    pytester.runpytest(*BASE, *TF32, "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester.runpytest(*BASE, *TF32).assert_outcomes(passed=1)
-    result = pytester.runpytest(*BASE, *TF32, "--simulate-fault=scale:Functional.conv2d:1")
+    pytester.runpytest(*ARGS, *TF32, "--msprobe-regen-baseline").assert_outcomes(passed=1)
+    pytester.runpytest(*ARGS, *TF32).assert_outcomes(passed=1)
+    result = pytester.runpytest(*ARGS, *TF32, "--simulate-fault=scale:Functional.conv2d:1")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["first divergence: Functional.conv2d.1.forward (step 0, rank 0)*"])

@@ -10,8 +10,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE
 
 # A small CNN with a buffer; FAULT (an environment variable) changes one thing of its run
 CNN_TEST = textwrap.dedent(

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plugin_sources import BASE
 
 from pytest_msprobe.report import links
 
-BASE = ["-p", "no:cacheprovider"]
 PIPELINE = Path(__file__).resolve().parents[2] / "examples" / "resnet50" / "ci" / "precision-gate.yml"
 LOOSE = '@pytest.mark.msprobe(task="statistics", level="L1", steps=[0, 1], rtol=0.5)'  # passes the 1% fault
 
@@ -45,7 +45,9 @@ def _resolve(base: Path, href: str) -> Path:
     return (base / urllib.parse.unquote(href)).resolve()
 
 
-def _session(pytester: pytest.Pytester, train_test, fault_plugin: str, *extra: str) -> pytest.RunResult:
+def _session(
+    pytester: pytest.Pytester, train_test, fault_plugin: str, monkeypatch: pytest.MonkeyPatch, *extra: str
+) -> pytest.RunResult:
     """Three tests (one breaches, one passes, one has no baseline) and what an earlier run left behind."""
     train_test(name="test_breach")
     train_test(LOOSE, name="test_loose")
@@ -54,14 +56,14 @@ def _session(pytester: pytest.Pytester, train_test, fault_plugin: str, *extra: s
     old = pytester.path / "msprobe-output" / "test_gone" / "test_train" / "compare"
     old.mkdir(parents=True)
     (old / "summary.json").write_text('{"passed": false}')  # a test of an earlier session, not run now
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     return pytester.runpytest(*BASE, "-p", fault_plugin, "--msprobe-baseline=bl", *extra)
 
 
 def test_the_session_summary_lists_this_sessions_tests_with_verdicts_and_reports(
-    pytester: pytest.Pytester, train_test, fault_plugin: str
+    pytester: pytest.Pytester, train_test, fault_plugin: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    result = _session(pytester, train_test, fault_plugin, "--html=reports/report.html")
+    result = _session(pytester, train_test, fault_plugin, monkeypatch, "--html=reports/report.html")
     result.assert_outcomes(passed=1, failed=2)
     out = pytester.path / "msprobe-output"
     result.stdout.fnmatch_lines([f"session summary: {out / 'summary.json'} (index: {out / 'index.html'})"])
@@ -128,10 +130,10 @@ def test_the_session_summary_lists_this_sessions_tests_with_verdicts_and_reports
 
 
 def test_html_report_links_are_relative_and_survive_the_download(
-    pytester: pytest.Pytester, train_test, fault_plugin: str, tmp_path: Path
+    pytester: pytest.Pytester, train_test, fault_plugin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     report = pytester.path / "reports" / "html" / "report.html"
-    _session(pytester, train_test, fault_plugin, f"--html={report.relative_to(pytester.path)}")
+    _session(pytester, train_test, fault_plugin, monkeypatch, f"--html={report.relative_to(pytester.path)}")
     # a CI artifact: the report's folder and the output folder, downloaded elsewhere side by side
     artifact = tmp_path / "artifact"
     shutil.copytree(pytester.path / "reports", artifact / "reports")
@@ -158,9 +160,14 @@ def test_html_report_links_are_relative_and_survive_the_download(
 
 
 def test_a_self_contained_report_embeds_the_files(
-    pytester: pytest.Pytester, train_test, fault_plugin: str, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester,
+    train_test,
+    fault_plugin: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    result = _session(pytester, train_test, fault_plugin, "--html=report.html", "--self-contained-html")
+    result = _session(
+        pytester, train_test, fault_plugin, monkeypatch, "--html=report.html", "--self-contained-html"
+    )
     result.assert_outcomes(passed=1, failed=2)
     fragment = _html_extras(pytester.path / "report.html")["test_breach.py::test_train"]
     summary = json.loads((pytester.path / "msprobe-output" / "summary.json").read_text())
@@ -194,6 +201,7 @@ def test_a_self_contained_report_embeds_the_files(
     assert f'download="{advisor_name}"' in fragment  # the smaller ones still are
 
 
+@pytest.mark.slow
 def test_under_xdist_the_controller_writes_the_summary_of_every_worker(
     pytester: pytest.Pytester, train_source: str
 ) -> None:
@@ -363,7 +371,7 @@ def _uploaded(root: Path, patterns: list[str]) -> set[str]:
 
 
 def test_the_example_pipelines_artifacts_hold_what_the_plugin_writes(
-    pytester: pytest.Pytester, train_test, fault_plugin: str
+    pytester: pytest.Pytester, train_test, fault_plugin: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     jobs = _yaml(PIPELINE.read_text())["jobs"]
     # the GPU job uploads the folder it regenerates into
@@ -391,7 +399,7 @@ def test_the_example_pipelines_artifacts_hold_what_the_plugin_writes(
     pytester.runpytest(*BASE, f"--msprobe-baseline={baseline}", "--msprobe-regen-baseline").assert_outcomes(
         passed=1
     )
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     gated = pytester.runpytest(*BASE, "-p", fault_plugin, f"--msprobe-baseline={baseline}", *reporting)
     gated.assert_outcomes(failed=1)
 

@@ -6,50 +6,43 @@ import json
 import textwrap
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE, with_net
 
 # A small CNN's training steps; NO_BACKWARD=1 leaves out backward() and optimizer.step(), MAX_UNMATCHED sets the
 # marker's max_unmatched= (absent: the marker leaves it to the ini and the default).
-SOURCE = textwrap.dedent(
-    """
-    import os
+SOURCE = with_net(
+    textwrap.dedent(
+        """
+        import os
 
-    import pytest
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
-            self.bn = nn.BatchNorm2d(6)
-            self.fc = nn.Linear(6, 4)
-
-        def forward(self, x):
-            x = F.relu(self.bn(self.conv(x)))
-            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        import pytest
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
 
 
-    EXTRA = {"max_unmatched": os.environ["MAX_UNMATCHED"]} if "MAX_UNMATCHED" in os.environ else {}
+        NET
 
 
-    @pytest.mark.msprobe(steps=[0], **EXTRA)
-    def test_train(msprobe):
-        model = Net().to(msprobe.device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
-        y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
-        with msprobe.step(model):
-            loss = F.cross_entropy(model(x), y)
-            if not os.environ.get("NO_BACKWARD"):
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-    """
+        EXTRA = {"max_unmatched": os.environ["MAX_UNMATCHED"]} if "MAX_UNMATCHED" in os.environ else {}
+
+
+        @pytest.mark.msprobe(steps=[0], **EXTRA)
+        def test_train(msprobe):
+            model = Net().to(msprobe.device)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
+            y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
+            with msprobe.step(model):
+                loss = F.cross_entropy(model(x), y)
+                if not os.environ.get("NO_BACKWARD"):
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        """
+    ),
+    conv2=False,
 )
 
 
@@ -67,9 +60,11 @@ def _summary(pytester: pytest.Pytester) -> dict:
     return json.loads(path.read_text())
 
 
-def test_a_run_without_backward_fails_naming_what_was_not_compared(gated: pytest.Pytester) -> None:
+def test_a_run_without_backward_fails_naming_what_was_not_compared(
+    gated: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert gated.runpytest(*BASE, "--msprobe-baseline=baselines").ret == 0  # the same run passes
-    gated._monkeypatch.setenv("NO_BACKWARD", "1")
+    monkeypatch.setenv("NO_BACKWARD", "1")
     result = gated.runpytest(*BASE, "--msprobe-baseline=baselines")
     result.assert_outcomes(failed=1, errors=0)
     result.stdout.fnmatch_lines(
@@ -99,19 +94,21 @@ def test_a_run_without_backward_fails_naming_what_was_not_compared(gated: pytest
     ],
 )
 def test_the_limit_from_the_command_line_the_ini_or_the_marker(
-    gated: pytest.Pytester, how: str, args: list[str]
+    gated: pytest.Pytester, how: str, args: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gated._monkeypatch.setenv("NO_BACKWARD", "1")
+    monkeypatch.setenv("NO_BACKWARD", "1")
     if how == "marker":
-        gated._monkeypatch.setenv("MAX_UNMATCHED", "90%")
+        monkeypatch.setenv("MAX_UNMATCHED", "90%")
     result = gated.runpytest(*BASE, "--msprobe-baseline=baselines", *args)
     result.assert_outcomes(passed=1)
     assert _summary(gated)["coverage"]["max_unmatched"] == pytest.approx(0.9)
 
 
-def test_the_command_line_wins_over_the_marker(gated: pytest.Pytester) -> None:
-    gated._monkeypatch.setenv("NO_BACKWARD", "1")
-    gated._monkeypatch.setenv("MAX_UNMATCHED", "90%")
+def test_the_command_line_wins_over_the_marker(
+    gated: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NO_BACKWARD", "1")
+    monkeypatch.setenv("MAX_UNMATCHED", "90%")
     result = gated.runpytest(*BASE, "--msprobe-baseline=baselines", "--msprobe-max-unmatched=0")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*too little compared: *; the limit is 0%"])
@@ -154,8 +151,8 @@ def test_bad_limits_are_usage_errors(pytester: pytest.Pytester, args: list[str],
     result.stderr.fnmatch_lines([f"*--msprobe-max-unmatched*{quoted}*"])
 
 
-def test_a_bad_marker_value_names_the_test(gated: pytest.Pytester) -> None:
-    gated._monkeypatch.setenv("MAX_UNMATCHED", "lots")
+def test_a_bad_marker_value_names_the_test(gated: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAX_UNMATCHED", "lots")
     result = gated.runpytest(*BASE, "--msprobe-baseline=baselines")
     result.assert_outcomes(errors=1)  # as every bad marker value: from the fixture, at set-up
     result.stdout.fnmatch_lines(

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plugin_sources import BASE
 
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
 TENSOR = '@pytest.mark.msprobe(task="tensor", level="L1", steps=[0, 1])'
 
 
@@ -222,7 +222,7 @@ def test_a_refused_regeneration_is_one_clear_error_and_keeps_the_old_baseline(
 
 
 def test_the_dumps_of_passing_tests_go_and_those_of_failing_tests_stay(
-    pytester: pytest.Pytester, train_test, fault_plugin: str
+    pytester: pytest.Pytester, train_test, fault_plugin: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     train_test()
     _regen(pytester)
@@ -247,7 +247,7 @@ def test_the_dumps_of_passing_tests_go_and_those_of_failing_tests_stay(
     _regen(pytester, "--msprobe-keep-dumps")
     assert (_output(pytester) / "dump" / "step1" / "rank" / "dump.json").is_file()
 
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     failing = pytester.runpytest(*BASE, "-p", fault_plugin, "--msprobe-baseline=bl")
     failing.assert_outcomes(failed=1)
     assert (_output(pytester) / "dump" / "step1" / "rank" / "dump.json").is_file(), "a failure keeps its dump"

@@ -17,8 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE
 
 
 def _folder(pytester: pytest.Pytester, root: str = "bl", name: str = "test_train") -> Path:
@@ -168,11 +167,12 @@ def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
     return proc.returncode, out
 
 
+@pytest.mark.slow
 def test_the_same_test_in_four_xdist_workers_regenerates_one_whole_baseline(
-    pytester: pytest.Pytester, train_source: str, tmp_path: Path
+    pytester: pytest.Pytester, train_source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _barrier_test(pytester, train_source, parties=4)
-    pytester._monkeypatch.setenv("BARRIER_DIR", str(tmp_path))
+    monkeypatch.setenv("BARRIER_DIR", str(tmp_path))
     # --dist each: every worker runs the test, at the same time (the barrier holds each until all are there)
     each = ["-n", "4", "--dist", "each"]
     regen = pytester.runpytest_subprocess(*BASE, *each, "--msprobe-baseline=bl", "--msprobe-regen-baseline")
@@ -193,17 +193,18 @@ def test_the_same_test_in_four_xdist_workers_regenerates_one_whole_baseline(
 
 
 @pytest.mark.parametrize("first", ["regen", "compare"])
+@pytest.mark.slow
 def test_two_sessions_sharing_one_output_folder_never_read_each_others_dumps(
-    pytester: pytest.Pytester, train_source: str, tmp_path: Path, first: str
+    pytester: pytest.Pytester, train_source: str, tmp_path: Path, first: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _barrier_test(pytester, train_source, parties=1)
-    pytester._monkeypatch.setenv("BARRIER_DIR", str(tmp_path))
+    monkeypatch.setenv("BARRIER_DIR", str(tmp_path))
     _regen(pytester)
     before = _snapshot(_folder(pytester))
     _barrier_test(pytester, train_source, parties=2)
     env_gate = tmp_path / "gate"
     env_gate.mkdir()
-    pytester._monkeypatch.setenv("BARRIER_DIR", str(env_gate))
+    monkeypatch.setenv("BARRIER_DIR", str(env_gate))
     regen_args = ["--msprobe-baseline=bl", "--msprobe-regen-baseline"]
     compare_args = ["--msprobe-baseline=bl"]
     runs = [regen_args, compare_args] if first == "regen" else [compare_args, compare_args]

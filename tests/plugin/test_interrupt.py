@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from plugin_sources import BASE
 
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist"]
+pytestmark = pytest.mark.slow  # many interrupted pytest runs
+
+ARGS = [*BASE, "-p", "no:xdist"]
 
 BODY = """
 def test_train(msprobe):
@@ -34,7 +37,7 @@ def _run(pytester: pytest.Pytester, at: float | None, *args: str) -> subprocess.
     if at is not None:
         env["INTERRUPT_AT"] = f"{at:.6f}"
     return subprocess.run(
-        [sys.executable, "-m", "pytest", *BASE, "-s", *args],
+        [sys.executable, "-m", "pytest", *ARGS, "-s", *args],
         cwd=pytester.path,
         env=env,
         capture_output=True,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from chromium import CHROMIUM, png_size_and_ink, probe, run_chromium
+from plugin_sources import BASE
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.result import CompareResult
@@ -206,14 +207,13 @@ def test_the_page_draws(page: Path, tmp_path: Path) -> None:
 
 
 def test_a_test_run_writes_the_page_and_links_it_from_its_html_row(
-    pytester: pytest.Pytester, train_test, fault_plugin, tmp_path: Path
+    pytester: pytest.Pytester, train_test, fault_plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     train_test()
-    base = ["-p", "no:cacheprovider"]
-    pytester.runpytest(*base, "--msprobe-baseline=bl", "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--msprobe-regen-baseline").assert_outcomes(passed=1)
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     report = pytester.path / "report.html"
-    result = pytester.runpytest(*base, "-p", fault_plugin, "--msprobe-baseline=bl", f"--html={report}")
+    result = pytester.runpytest(*BASE, "-p", fault_plugin, "--msprobe-baseline=bl", f"--html={report}")
     result.assert_outcomes(failed=1)
     (model,) = (pytester.path / "msprobe-output").rglob("model_*.html")
     assert model.name in report.read_text() and "model view (html)" in report.read_text()

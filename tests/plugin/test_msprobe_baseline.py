@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from plugin_sources import BASE
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "msprobe"
 
@@ -46,16 +47,18 @@ TEST = textwrap.dedent(
 
 
 @pytest.mark.parametrize("version", ["msprobe-8.3.3", "msprobe-26.2.0"])
-def test_a_plain_msprobe_dump_works_as_a_baseline(pytester: pytest.Pytester, version: str) -> None:
+def test_a_plain_msprobe_dump_works_as_a_baseline(
+    pytester: pytest.Pytester, version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytester.makepyfile(test_tiny=TEST)
     shutil.copytree(
         DATA / version / "dumps" / "bench" / "stat_L1",
         pytester.path / "bl" / "test_tiny" / "test_tiny_resnet",
     )
-    clean = pytester.runpytest("-p", "no:cacheprovider", "--msprobe-baseline=bl")
+    clean = pytester.runpytest(*BASE, "--msprobe-baseline=bl")
     clean.assert_outcomes(passed=1)
 
-    pytester._monkeypatch.setenv("PERTURB", "1")
-    faulty = pytester.runpytest("-p", "no:cacheprovider", "--msprobe-baseline=bl")
+    monkeypatch.setenv("PERTURB", "1")
+    faulty = pytester.runpytest(*BASE, "--msprobe-baseline=bl")
     faulty.assert_outcomes(failed=1, errors=0)
     faulty.stdout.fnmatch_lines(["*first divergence: Functional.relu.2.forward (step 0, rank 0)*"])

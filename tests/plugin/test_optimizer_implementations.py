@@ -8,58 +8,51 @@ import json
 import textwrap
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE, with_net
 
 # IMPL picks the optimizer's implementation (single, foreach, fused); FAULT adds that much to fc.weight after
 # each optimizer step (a patched optimizer)
-SOURCE = textwrap.dedent(
-    """
-    import os
+SOURCE = with_net(
+    textwrap.dedent(
+        """
+        import os
 
-    import pytest
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+        import pytest
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
 
-    FLAGS = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
-            self.bn = nn.BatchNorm2d(6)
-            self.fc = nn.Linear(6, 4)
-
-        def forward(self, x):
-            x = F.relu(self.bn(self.conv(x)))
-            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        FLAGS = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
-    @pytest.mark.msprobe(steps=[0, 1])
-    def test_train(msprobe):
-        model = Net().to(msprobe.device)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, **FLAGS[os.environ["IMPL"]])
-        fault = float(os.environ.get("FAULT", "0"))
-        if fault:
-            opt.register_step_post_hook(lambda o, a, k: model.fc.weight.data.add_(fault))
-        g = torch.Generator().manual_seed(0)
-        for _ in range(2):
-            x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
-            y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
-            with msprobe.step(model):
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-    """
+        NET
+
+
+        @pytest.mark.msprobe(steps=[0, 1])
+        def test_train(msprobe):
+            model = Net().to(msprobe.device)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3, **FLAGS[os.environ["IMPL"]])
+            fault = float(os.environ.get("FAULT", "0"))
+            if fault:
+                opt.register_step_post_hook(lambda o, a, k: model.fc.weight.data.add_(fault))
+            g = torch.Generator().manual_seed(0)
+            for _ in range(2):
+                x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
+                y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
+                with msprobe.step(model):
+                    opt.zero_grad()
+                    F.cross_entropy(model(x), y).backward()
+                    opt.step()
+        """
+    ),
+    conv2=False,
 )
 
 
 @pytest.fixture
-def single_baseline(pytester: pytest.Pytester) -> pytest.Pytester:
+def single_baseline(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     pytester.makepyfile(test_train=SOURCE)
-    pytester._monkeypatch.setenv("IMPL", "single")
+    monkeypatch.setenv("IMPL", "single")
     regen = pytester.runpytest(*BASE, "--msprobe-baseline=baselines", "--msprobe-regen-baseline")
     regen.assert_outcomes(passed=1)
     return pytester
@@ -72,9 +65,9 @@ def _summary(pytester: pytest.Pytester) -> dict:
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_another_implementation_passes_with_every_row_paired(
-    single_baseline: pytest.Pytester, impl: str
+    single_baseline: pytest.Pytester, impl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    single_baseline._monkeypatch.setenv("IMPL", impl)
+    monkeypatch.setenv("IMPL", impl)
     result = single_baseline.runpytest(*BASE, "--msprobe-baseline=baselines")
     result.assert_outcomes(passed=1)
     summary = _summary(single_baseline)
@@ -82,9 +75,11 @@ def test_another_implementation_passes_with_every_row_paired(
     assert summary["counts"]["unmatched"] == 0
 
 
-def test_a_wrong_update_fails_naming_it(single_baseline: pytest.Pytester) -> None:
-    single_baseline._monkeypatch.setenv("IMPL", "foreach")
-    single_baseline._monkeypatch.setenv("FAULT", "1e-3")
+def test_a_wrong_update_fails_naming_it(
+    single_baseline: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IMPL", "foreach")
+    monkeypatch.setenv("FAULT", "1e-3")
     result = single_baseline.runpytest(*BASE, "--msprobe-baseline=baselines")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(

@@ -7,8 +7,7 @@ import json
 import textwrap
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE
 
 TEST = textwrap.dedent(
     """

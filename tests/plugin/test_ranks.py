@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plugin_sources import BASE, with_net
 
 from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.options import resolve_test
@@ -22,60 +23,51 @@ from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
 from pytest_msprobe.run.settings import DEFAULT_RANK_TIMEOUT
 from tests.processes import children
 
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
-
 # A tiny model trained under DDP for two steps, on data that differs per rank; the second F.relu of a forward is
 # the one the fault plugin breaks.
-DDP_TEST = textwrap.dedent(
-    """
-    import os
+DDP_TEST = with_net(
+    textwrap.dedent(
+        """
+        import os
 
-    import pytest
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
-            self.conv2 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
-            self.fc = nn.Linear(6, 4)
-
-        def forward(self, x):
-            x = F.relu(self.conv(x))
-            x = F.relu(self.conv2(x))
-            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        import pytest
+        import torch
+        import torch.distributed as dist
+        import torch.nn as nn
+        import torch.nn.functional as F
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-    @pytest.mark.msprobe(world_size=2, steps=[0, 1], level="mix")  # the DDP model's modules and its API calls
-    def test_ddp(msprobe):
-        env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-        assert env == {"RANK": str(msprobe.rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(msprobe.rank),
-                       "MASTER_ADDR": "127.0.0.1"}
-        assert (dist.get_rank(), dist.get_world_size(), msprobe.world_size) == (msprobe.rank, 2, 2)
-        # the same seed on every rank: the same first draw
-        drawn = [torch.empty(3) for _ in range(2)]
-        dist.all_gather(drawn, torch.rand(3))
-        assert torch.equal(drawn[0], drawn[1])
-        model = DDP(Net().to(msprobe.device))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(msprobe.rank)  # each rank its own batches
-        for _ in range(2):
-            x = torch.randn(4, 3, 8, 8, generator=g)
-            y = torch.randint(0, 4, (4,), generator=g)
-            with msprobe.step(model):
-                out = model(x)
-                summed = out.detach().clone()
-                dist.all_reduce(summed)  # the logits summed over the ranks, e.g. for a global metric
-                loss = F.cross_entropy(out, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-    """
+        NET
+
+
+        @pytest.mark.msprobe(world_size=2, steps=[0, 1], level="mix")  # the DDP model's modules and its API calls
+        def test_ddp(msprobe):
+            env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+            assert env == {"RANK": str(msprobe.rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(msprobe.rank),
+                           "MASTER_ADDR": "127.0.0.1"}
+            assert (dist.get_rank(), dist.get_world_size(), msprobe.world_size) == (msprobe.rank, 2, 2)
+            # the same seed on every rank: the same first draw
+            drawn = [torch.empty(3) for _ in range(2)]
+            dist.all_gather(drawn, torch.rand(3))
+            assert torch.equal(drawn[0], drawn[1])
+            model = DDP(Net().to(msprobe.device))
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            g = torch.Generator().manual_seed(msprobe.rank)  # each rank its own batches
+            for _ in range(2):
+                x = torch.randn(4, 3, 8, 8, generator=g)
+                y = torch.randint(0, 4, (4,), generator=g)
+                with msprobe.step(model):
+                    out = model(x)
+                    summed = out.detach().clone()
+                    dist.all_reduce(summed)  # the logits summed over the ranks, e.g. for a global metric
+                    loss = F.cross_entropy(out, y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        """
+    ),
+    bn=False,
 )
 
 # the fault plugin of conftest.py, on rank 1 only
@@ -120,6 +112,7 @@ def _properties(xml: Path) -> dict[str, str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+@pytest.mark.slow
 def test_two_gloo_ranks_regen_pass_and_a_fault_on_rank_one_names_rank_one(
     pytester: pytest.Pytester, fault_plugin: str
 ) -> None:
@@ -193,6 +186,7 @@ XDIST = textwrap.dedent(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups")
+@pytest.mark.slow
 def test_multi_rank_tests_under_xdist_get_their_own_process_groups(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_sums=XDIST, test_bad=BAD_RANKS)
     # two workers, each launching two ranks at the same time: a shared port or folder would break one of them

@@ -9,8 +9,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider"]
+from plugin_sources import BASE
 
 
 def _properties(junit: Path) -> dict[str, dict[str, str]]:
@@ -27,11 +26,11 @@ def _summary(pytester: pytest.Pytester) -> dict[str, dict]:
 
 
 def test_a_breach_is_reported_and_the_test_passes(
-    pytester: pytest.Pytester, train_test, fault_plugin
+    pytester: pytest.Pytester, train_test, fault_plugin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     train_test()
     pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     junit = pytester.path / "junit.xml"
     args = [*BASE, "-p", fault_plugin, "--msprobe-baseline=bl", f"--junitxml={junit}", "--html=report.html"]
     result = pytester.runpytest(*args, "--msprobe-report-only", "-rP")
@@ -84,14 +83,17 @@ def test_a_missing_baseline_is_reported_and_passes(pytester: pytest.Pytester, tr
     assert (test["verdict"], test["outcome"]) == ("missing", "passed")
 
 
-def test_the_marker_and_the_ini_choose_per_test(pytester: pytest.Pytester, train_test, fault_plugin) -> None:
+@pytest.mark.slow
+def test_the_marker_and_the_ini_choose_per_test(
+    pytester: pytest.Pytester, train_test, fault_plugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
     lenient = '@pytest.mark.msprobe(task="statistics", level="L1", steps=[0, 1], report_only=True)'
     strict = '@pytest.mark.msprobe(task="statistics", level="L1", steps=[0, 1], report_only=False)'
     train_test(lenient, name="test_lenient")
     train_test(strict, name="test_strict")
     train_test(name="test_plain")
     pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--msprobe-regen-baseline").assert_outcomes(passed=3)
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     args = [*BASE, "-p", fault_plugin, "--msprobe-baseline=bl"]
     # the marker alone: only its test passes
     result = pytester.runpytest(*args)

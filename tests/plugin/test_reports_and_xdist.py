@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 from chromium import CHROMIUM, CHROMIUM_FLAGS, png_size_and_ink, probe
+from plugin_sources import BASE
 
-BASE = ["-p", "no:cacheprovider"]
 
-
-def _failing_html_report(pytester: pytest.Pytester, train_test, fault_plugin: str) -> Path:
+def _failing_html_report(
+    pytester: pytest.Pytester, train_test, fault_plugin: str, monkeypatch: pytest.MonkeyPatch
+) -> Path:
     train_test()
     pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     html = pytester.path / "report.html"
     result = pytester.runpytest(*BASE, "-p", fault_plugin, "--msprobe-baseline=bl", f"--html={html}")
     result.assert_outcomes(failed=1, errors=0)
@@ -22,9 +23,9 @@ def _failing_html_report(pytester: pytest.Pytester, train_test, fault_plugin: st
 
 
 def test_html_report_carries_advisor_table_plot_and_links(
-    pytester: pytest.Pytester, train_test, fault_plugin
+    pytester: pytest.Pytester, train_test, fault_plugin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    html = _failing_html_report(pytester, train_test, fault_plugin)
+    html = _failing_html_report(pytester, train_test, fault_plugin, monkeypatch)
     text = html.read_text()
     # pytest-html 4 stores each test's extras in a JSON blob the page renders: check what it will show
     assert "Functional.relu.1.forward" in text
@@ -37,9 +38,9 @@ def test_html_report_carries_advisor_table_plot_and_links(
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian package chromium)")
 def test_html_report_renders_in_chromium(
-    pytester: pytest.Pytester, train_test, fault_plugin, tmp_path: Path
+    pytester: pytest.Pytester, train_test, fault_plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    html = _failing_html_report(pytester, train_test, fault_plugin)
+    html = _failing_html_report(pytester, train_test, fault_plugin, monkeypatch)
     profile = tmp_path / "profile"
     common = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1280,2000"]
     # the rendered DOM: pytest-html builds its table with JavaScript; expand every row so extras are in it
@@ -95,32 +96,7 @@ return {
 """
 
 
-def test_xdist_regen_and_compare_many_tests(pytester: pytest.Pytester, train_source: str) -> None:
-    body = train_source.replace(
-        "MARKER",
-        '@pytest.mark.parametrize("lr", [0.01, 0.02, 0.03, 0.04])\n@pytest.mark.msprobe(steps=[0, 1])',
-    ).replace(
-        "def test_train(msprobe):\n    train(msprobe)", "def test_train(msprobe, lr):\n    train(msprobe)"
-    )
-    pytester.makepyfile(test_many=body)
-    regen = pytester.runpytest_subprocess(
-        *BASE, "-n", "2", "--msprobe-baseline=bl", "--msprobe-regen-baseline"
-    )
-    regen.assert_outcomes(passed=4)
-    regen.stdout.fnmatch_lines(["*4 baseline(s) written to*"])
-    folders = sorted(
-        p.name for p in (pytester.path / "bl" / "test_many").iterdir() if not p.name.startswith(".")
-    )
-    assert folders == ["test_train[0.01]", "test_train[0.02]", "test_train[0.03]", "test_train[0.04]"]
-    compared = pytester.runpytest_subprocess(*BASE, "-n", "2", "--msprobe-baseline=bl")
-    compared.assert_outcomes(passed=4)
-    assert compared.stdout.str().count("PASSED       test_many.py::test_train[") == 4
-    for folder in folders:
-        reports = pytester.path / "msprobe-output" / "test_many" / folder / "compare"
-        assert (reports / "summary.json").is_file()
-        assert len(list(reports.glob("compare_result_*.xlsx"))) == 1
-
-
+@pytest.mark.slow
 def test_four_workers_regen_and_compare_twelve_tests_without_clashes(
     pytester: pytest.Pytester, train_source: str
 ) -> None:

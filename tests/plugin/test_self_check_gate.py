@@ -9,8 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE, with_net
 
 # faults put in the test's own body (monkeypatch): relu 1e-3 noisy (its node stays relu's), or the functional
 # relu (the second of a forward, after conv2) with a gradient 1% off and an exact forward
@@ -202,52 +201,48 @@ def test_a_regenerated_baseline_holds_the_sidecars_and_the_compare_gates_on_own_
     )
 
 
-DDP_SELF_CHECK = textwrap.dedent(
-    """
-    import os
+DDP_SELF_CHECK = with_net(
+    textwrap.dedent(
+        """
+        import os
 
-    import pytest
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
-            self.fc = nn.Linear(6, 4)
-
-        def forward(self, x):
-            x = F.relu(self.conv(x))
-            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        import pytest
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-    _relu = F.relu
+        NET
 
 
-    def noisy_relu(input, inplace=False):
-        out = _relu(input, inplace=inplace)
-        out.data.mul_(1 + 1e-3 * torch.randn_like(out))
-        return out
+        _relu = F.relu
 
 
-    @pytest.mark.msprobe(world_size=2, steps=[0, 1])
-    def test_ddp(msprobe, monkeypatch):
-        if msprobe.rank == 1:
-            monkeypatch.setattr(F, "relu", noisy_relu)
-        model = DDP(Net().to(msprobe.device))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        g = torch.Generator().manual_seed(msprobe.rank)
-        for _ in range(2):
-            x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
-            with msprobe.step(model):
-                loss = F.cross_entropy(model(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-    """
+        def noisy_relu(input, inplace=False):
+            out = _relu(input, inplace=inplace)
+            out.data.mul_(1 + 1e-3 * torch.randn_like(out))
+            return out
+
+
+        @pytest.mark.msprobe(world_size=2, steps=[0, 1])
+        def test_ddp(msprobe, monkeypatch):
+            if msprobe.rank == 1:
+                monkeypatch.setattr(F, "relu", noisy_relu)
+            model = DDP(Net().to(msprobe.device))
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            g = torch.Generator().manual_seed(msprobe.rank)
+            for _ in range(2):
+                x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+                with msprobe.step(model):
+                    loss = F.cross_entropy(model(x), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        """
+    ),
+    bn=False,
+    conv2=False,
 )
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from plugin_sources import BASE
 
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly", "--strict-config"]  # an unknown ini key is an error
+ARGS = [*BASE, "--strict-config"]  # an unknown ini key is an error
 
 # the switches inside the body of an msprobe test and in a plain test after it; the session starts with the
 # production settings a CUDA user would have (cuDNN's TF32 is torch's default, "high" a common choice)
@@ -64,7 +65,7 @@ def test_precision_tests_compute_float32_in_float32_and_put_the_switches_back(
     pytester: pytest.Pytester,
 ) -> None:
     _switches_test(pytester)
-    result = pytester.runpytest(*BASE, "-s")
+    result = pytester.runpytest(*ARGS, "-s")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([STRICT, PUT_BACK])
 
@@ -84,14 +85,14 @@ def test_allow_tf32_leaves_the_switches_as_the_device_and_the_user_have_them(
     pytester: pytest.Pytester, marker: str, ini: str, flags: list[str], inside: str
 ) -> None:
     _switches_test(pytester, marker, ini)
-    result = pytester.runpytest(*BASE, "-s", *flags)
+    result = pytester.runpytest(*ARGS, "-s", *flags)
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([inside, PUT_BACK])
 
 
 def test_a_bad_allow_tf32_value_is_refused_naming_where(pytester: pytest.Pytester) -> None:
     _switches_test(pytester, "@pytest.mark.msprobe(allow_tf32='maybe')")
-    result = pytester.runpytest(*BASE)
+    result = pytester.runpytest(*ARGS)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(
         [
@@ -99,7 +100,7 @@ def test_a_bad_allow_tf32_value_is_refused_naming_where(pytester: pytest.Pyteste
         ]
     )
     _switches_test(pytester, ini="msprobe_allow_tf32 = maybe")
-    usage = pytester.runpytest(*BASE)
+    usage = pytester.runpytest(*ARGS)
     assert usage.ret == pytest.ExitCode.USAGE_ERROR
     usage.stderr.fnmatch_lines(["*ini msprobe_allow_tf32: expected true or false, got 'maybe'*"])
 
@@ -150,7 +151,7 @@ CNN_TEST = textwrap.dedent(
 def baseline(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("FAKE_CUDA_TF32", raising=False)
     pytester.makepyfile(test_cnn=CNN_TEST)
-    pytester.runpytest(*BASE, "--msprobe-baseline=baselines", "--msprobe-regen-baseline").assert_outcomes(
+    pytester.runpytest(*ARGS, "--msprobe-baseline=baselines", "--msprobe-regen-baseline").assert_outcomes(
         passed=1
     )
     return pytester.path / "baselines" / "test_cnn" / "test_train"
@@ -161,19 +162,20 @@ def test_the_baselines_manifest_records_whether_tf32_was_allowed(
 ) -> None:
     assert json.loads((baseline / "msprobe_manifest.json").read_text())["extra"]["allow_tf32"] is False
     regen = pytester.runpytest(
-        *BASE, "--msprobe-baseline=baselines", "--msprobe-regen-baseline", "--msprobe-allow-tf32"
+        *ARGS, "--msprobe-baseline=baselines", "--msprobe-regen-baseline", "--msprobe-allow-tf32"
     )
     regen.assert_outcomes(passed=1)
     assert json.loads((baseline / "msprobe_manifest.json").read_text())["extra"]["allow_tf32"] is True
 
 
+@pytest.mark.slow
 def test_a_setting_that_differs_from_the_baselines_fails_named_with_its_first_call(
     pytester: pytest.Pytester, baseline: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_CUDA_TF32", "1")
     # in a process of its own: in-process runs import the package's modules anew, while the debugger an earlier
     # run loaded would keep the precision module it was made with, not the one the test patches
-    result = pytester.runpytest_subprocess(*BASE, "--msprobe-baseline=baselines", "--junitxml=junit.xml")
+    result = pytester.runpytest_subprocess(*ARGS, "--msprobe-baseline=baselines", "--junitxml=junit.xml")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -239,5 +241,5 @@ def test_every_rank_of_a_multi_rank_test_gets_the_same(
 ) -> None:
     # (a name of its own: tests/plugin/test_ranks.py may be imported in this process already)
     pytester.makepyfile(test_tf32_ranks=RANKS_TEST.replace("EXPECTED", repr(expected)))
-    result = pytester.runpytest(*BASE, *flags)
+    result = pytester.runpytest(*ARGS, *flags)
     result.assert_outcomes(passed=1)

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from plugin_sources import BASE
 
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly", "-p", "tests.devices", "--msprobe-self-check"]
+ARGS = [*BASE, "-p", "tests.devices", "--msprobe-self-check"]
 
 
 def _rank(pytester: pytest.Pytester, step: int) -> Path:
@@ -17,7 +18,7 @@ def _rank(pytester: pytest.Pytester, step: int) -> Path:
 
 def test_a_device_that_computes_as_it_declares_passes(pytester: pytest.Pytester, train_test) -> None:
     train_test(marker="")
-    result = pytester.runpytest(*BASE, "--simulate-device=tf32", "--msprobe-keep-dumps")
+    result = pytester.runpytest(*ARGS, "--simulate-device=tf32", "--msprobe-keep-dumps")
     result.assert_outcomes(passed=1)
     for step in (0, 1):
         doc = json.loads((_rank(pytester, step) / "self_check.json").read_text())
@@ -37,7 +38,7 @@ def test_the_same_numbers_undeclared_fail_at_the_first_convolution(
     pytester: pytest.Pytester, train_test
 ) -> None:
     train_test(marker="")
-    result = pytester.runpytest(*BASE, "--simulate-device=tf32-undeclared")
+    result = pytester.runpytest(*ARGS, "--simulate-device=tf32-undeclared")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -49,7 +50,7 @@ def test_the_same_numbers_undeclared_fail_at_the_first_convolution(
 
 def test_an_op_fault_under_tf32_fails_naming_its_call(pytester: pytest.Pytester, train_test) -> None:
     train_test(marker="")
-    result = pytester.runpytest(*BASE, "--simulate-device=tf32", "--simulate-fault=noise:Functional.relu:1")
+    result = pytester.runpytest(*ARGS, "--simulate-device=tf32", "--simulate-fault=noise:Functional.relu:1")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [

@@ -7,8 +7,7 @@ import json
 import textwrap
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider"]
+from plugin_sources import BASE
 
 RAISING = textwrap.dedent(
     """

@@ -9,79 +9,69 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE, with_net
 
 # A small CNN; FAULT (a relative error of the functional relus) from step FAULT_FROM, counted by the debugger.
-TREND_TEST = textwrap.dedent(
-    """
-    import os
-    import pytest
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+TREND_TEST = with_net(
+    textwrap.dedent(
+        """
+        import os
+        import pytest
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
 
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
-            self.bn = nn.BatchNorm2d(6)
-            self.conv2 = nn.Conv2d(6, 6, 3, padding=1, bias=False)
-            self.fc = nn.Linear(6, 4)
-
-        def forward(self, x):
-            x = F.relu(self.bn(self.conv(x)))
-            x = F.relu(self.conv2(x))
-            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        NET
 
 
-    class FaultyRelu(torch.autograd.Function):  # a wrong kernel with its own autograd node
-        @staticmethod
-        def forward(ctx, x, scale):
-            out = torch.clamp_min(x, 0) * (1.0 + scale)
-            ctx.save_for_backward(out)
-            return out
+        class FaultyRelu(torch.autograd.Function):  # a wrong kernel with its own autograd node
+            @staticmethod
+            def forward(ctx, x, scale):
+                out = torch.clamp_min(x, 0) * (1.0 + scale)
+                ctx.save_for_backward(out)
+                return out
 
-        @staticmethod
-        def backward(ctx, grad):
-            (out,) = ctx.saved_tensors
-            return grad * (out > 0), None
-
-
-    def fault(msprobe, monkeypatch):
-        scale, start = float(os.environ.get("FAULT", "0")), int(os.environ.get("FAULT_FROM", "0"))
-        if not scale:
-            return
-        orig = F.relu
-
-        def relu(x, inplace=False):
-            if msprobe.debugger.current_step >= start:
-                return FaultyRelu.apply(x, scale)
-            return orig(x, inplace=inplace)
-
-        monkeypatch.setattr(F, "relu", relu)
+            @staticmethod
+            def backward(ctx, grad):
+                (out,) = ctx.saved_tensors
+                return grad * (out > 0), None
 
 
-    def train(msprobe, steps, model=None, give_loss=True, loss_scale_from=None):
-        model = model if model is not None else Net().to(msprobe.device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        g = torch.Generator().manual_seed(0)
-        for step in range(steps):
-            x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
-            y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
-            with msprobe.step(model):
-                loss = F.cross_entropy(model(x), y)
-                if give_loss:
-                    off = loss_scale_from is not None and step >= loss_scale_from
-                    msprobe.loss(loss.item() * (1.001 if off else 1.0))
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+        def fault(msprobe, monkeypatch):
+            scale, start = float(os.environ.get("FAULT", "0")), int(os.environ.get("FAULT_FROM", "0"))
+            if not scale:
+                return
+            orig = F.relu
+
+            def relu(x, inplace=False):
+                if msprobe.debugger.current_step >= start:
+                    return FaultyRelu.apply(x, scale)
+                return orig(x, inplace=inplace)
+
+            monkeypatch.setattr(F, "relu", relu)
 
 
-    BODY
-    """
+        def train(msprobe, steps, model=None, give_loss=True, loss_scale_from=None):
+            model = model if model is not None else Net().to(msprobe.device)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            g = torch.Generator().manual_seed(0)
+            for step in range(steps):
+                x = torch.randn(4, 3, 8, 8, generator=g).to(msprobe.device)
+                y = torch.randint(0, 4, (4,), generator=g).to(msprobe.device)
+                with msprobe.step(model):
+                    loss = F.cross_entropy(model(x), y)
+                    if give_loss:
+                        off = loss_scale_from is not None and step >= loss_scale_from
+                        msprobe.loss(loss.item() * (1.001 if off else 1.0))
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+
+
+        BODY
+        """
+    )
 )
 
 
@@ -105,7 +95,10 @@ FORTY = """
     """
 
 
-def test_a_relu_wrong_from_step_25_is_named_at_step_25(pytester: pytest.Pytester) -> None:
+@pytest.mark.slow
+def test_a_relu_wrong_from_step_25_is_named_at_step_25(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _write(pytester, FORTY)
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
     folder = _folder(pytester)
@@ -121,8 +114,8 @@ def test_a_relu_wrong_from_step_25_is_named_at_step_25(pytester: pytest.Pytester
     same = _run(pytester)
     same.assert_outcomes(passed=1)
 
-    pytester._monkeypatch.setenv("FAULT", "0.05")
-    pytester._monkeypatch.setenv("FAULT_FROM", "25")
+    monkeypatch.setenv("FAULT", "0.05")
+    monkeypatch.setenv("FAULT_FROM", "25")
     fail = _run(pytester, "-rN")
     fail.assert_outcomes(failed=1, errors=0)
     fail.stdout.fnmatch_lines(
@@ -152,10 +145,13 @@ SHORT = """
     """
 
 
-def test_a_trend_that_differs_where_every_api_agrees_fails_and_says_so(pytester: pytest.Pytester) -> None:
+@pytest.mark.slow
+def test_a_trend_that_differs_where_every_api_agrees_fails_and_says_so(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _write(pytester, SHORT)
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("OFF", "5")  # the loss given is off from step 5, the computation is not
+    monkeypatch.setenv("OFF", "5")  # the loss given is off from step 5, the computation is not
     fail = _run(pytester)
     fail.assert_outcomes(failed=1)
     fail.stdout.fnmatch_lines(
@@ -169,18 +165,20 @@ def test_a_trend_that_differs_where_every_api_agrees_fails_and_says_so(pytester:
     _run(pytester, "--msprobe-trend-rtol=0.01").assert_outcomes(passed=1)
 
 
-def test_a_loop_shorter_than_trend_steps_fails_in_regeneration_and_compare(pytester: pytest.Pytester) -> None:
+def test_a_loop_shorter_than_trend_steps_fails_in_regeneration_and_compare(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _write(pytester, SHORT)
-    pytester._monkeypatch.setenv("LOOP", "5")
+    monkeypatch.setenv("LOOP", "5")
     regen = _run(pytester, "--msprobe-regen-baseline")
     regen.assert_outcomes(failed=1)
     regen.stdout.fnmatch_lines(
         ["*the loop ran 5 step(s), though the test compares a trend of trend_steps=8 steps*"]
     )
     assert not _folder(pytester).exists()  # no baseline is written
-    pytester._monkeypatch.setenv("LOOP", "8")
+    monkeypatch.setenv("LOOP", "8")
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("LOOP", "5")
+    monkeypatch.setenv("LOOP", "5")
     short = _run(pytester)
     short.assert_outcomes(failed=1)
     short.stdout.fnmatch_lines(
@@ -227,6 +225,7 @@ def test_a_loss_never_given_fails_with_one_line(pytester: pytest.Pytester) -> No
 
 def test_a_model_built_by_a_fixture_cannot_be_re_run_and_the_message_says_where_to_build_it(
     pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _write(
         pytester,
@@ -243,8 +242,8 @@ def test_a_model_built_by_a_fixture_cannot_be_re_run_and_the_message_says_where_
         """,
     )
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
-    pytester._monkeypatch.setenv("FAULT", "0.05")
-    pytester._monkeypatch.setenv("FAULT_FROM", "5")
+    monkeypatch.setenv("FAULT", "0.05")
+    monkeypatch.setenv("FAULT_FROM", "5")
     result = _run(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
@@ -285,14 +284,16 @@ DDP_TREND = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_each_rank_has_its_trend_and_a_multi_rank_test_names_the_steps_to_dump(
     pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pytester.makepyfile(test_ddp=DDP_TREND)
     _run(pytester, "--msprobe-regen-baseline").assert_outcomes(passed=1)
     folder = pytester.path / "bl" / "test_ddp" / "test_ddp"
     assert {"trend_rank0.json", "trend_rank1.json", "step2"} <= {p.name for p in folder.iterdir()}
-    pytester._monkeypatch.setenv("OFF", "1")
+    monkeypatch.setenv("OFF", "1")
     fail = _run(pytester)
     fail.assert_outcomes(failed=1)
     fail.stdout.fnmatch_lines(

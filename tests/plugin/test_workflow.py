@@ -7,8 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+from plugin_sources import BASE
 
 
 def _baseline_folder(pytester: pytest.Pytester, name: str = "test_train") -> Path:
@@ -35,7 +34,9 @@ def test_missing_baseline_fails_and_names_the_path_and_the_flag(
     result.stdout.fnmatch_lines([f"*no baseline for this test at {folder}*", "*--msprobe-regen-baseline*"])
 
 
-def test_regenerate_pass_drift_fail(pytester: pytest.Pytester, train_test, fault_plugin: str) -> None:
+def test_regenerate_pass_drift_fail(
+    pytester: pytest.Pytester, train_test, fault_plugin: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     train_test()
     regen = pytester.runpytest(*BASE, "--msprobe-baseline=baselines", "--msprobe-regen-baseline")
     regen.assert_outcomes(passed=1)
@@ -52,12 +53,12 @@ def test_regenerate_pass_drift_fail(pytester: pytest.Pytester, train_test, fault
     same.stdout.fnmatch_lines(["*PASSED*test_train.py::test_train*"])
 
     # drift at float32 rounding level: still a pass
-    pytester._monkeypatch.setenv("FAULT_SCALE", "1e-7")
+    monkeypatch.setenv("FAULT_SCALE", "1e-7")
     drift = pytester.runpytest(*BASE, "-p", fault_plugin, "--msprobe-baseline=baselines")
     drift.assert_outcomes(passed=1)
 
     # one relu 1% wrong: a FAILED test from the call phase that names the relu
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.01")
+    monkeypatch.setenv("FAULT_SCALE", "0.01")
     junit = pytester.path / "junit.xml"
     fail = pytester.runpytest(
         *BASE, "-p", fault_plugin, "--msprobe-baseline=baselines", f"--junitxml={junit}"
@@ -86,13 +87,13 @@ def test_regenerate_pass_drift_fail(pytester: pytest.Pytester, train_test, fault
 
 
 def test_precedence_cli_over_marker_over_ini(
-    pytester: pytest.Pytester, train_test, fault_plugin: str
+    pytester: pytest.Pytester, train_test, fault_plugin: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     train_test()
     pytester.runpytest(*BASE, "--msprobe-baseline=baselines", "--msprobe-regen-baseline").assert_outcomes(
         passed=1
     )
-    pytester._monkeypatch.setenv("FAULT_SCALE", "0.001")
+    monkeypatch.setenv("FAULT_SCALE", "0.001")
     args = [*BASE, "-p", fault_plugin, "--msprobe-baseline=baselines"]
     # default thresholds catch a 1e-3 fault
     pytester.runpytest(*args).assert_outcomes(failed=1)
