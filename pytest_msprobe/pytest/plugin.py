@@ -45,7 +45,7 @@ from pytest_msprobe.options import (
 from pytest_msprobe.pytest.session import ENTRY, VERDICT, SessionReports
 from pytest_msprobe.replay.pristine import capture_when_torch_loads
 from pytest_msprobe.report.links import Links
-from pytest_msprobe.run.settings import SessionSettings
+from pytest_msprobe.settings import SessionSettings
 
 capture_when_torch_loads()  # the plugin loads before conftest and test modules, which may patch torch
 

@@ -33,9 +33,9 @@ from pytest_msprobe.errors import (
 )
 from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root
 from pytest_msprobe.run.fit import check_baseline, numbers
-from pytest_msprobe.run.folders import check_apart, claim_folder, clear_folder, is_inside
-from pytest_msprobe.run.settings import SessionSettings, TestSettings
+from pytest_msprobe.run.folders import claim_folder, clear_folder, is_inside
 from pytest_msprobe.run.trend import baseline_steps, check_trend, compare_with_trend, write_trend
+from pytest_msprobe.settings import SessionSettings, TestSettings, check_apart
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -19,7 +19,7 @@ from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.options import resolve_test
 from pytest_msprobe.run.launcher import RankExit, device_shortage, run_processes
 from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
-from pytest_msprobe.run.settings import DEFAULT_RANK_TIMEOUT
+from pytest_msprobe.settings import DEFAULT_RANK_TIMEOUT
 from tests.processes import children
 
 BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
