@@ -68,7 +68,7 @@ def version() -> str:
     try:
         return installed(PROG)
     except PackageNotFoundError:
-        from pytest_msprobe import __version__
+        from pytest_msprobe.version import __version__
 
         return __version__
 

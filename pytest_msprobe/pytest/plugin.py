@@ -30,11 +30,12 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_msprobe.errors import BaselineError, MsprobeError
+from pytest_msprobe.fixture import MsprobeFixture
 from pytest_msprobe.options import (
     MARKER_HELP,
     RANK_SPEC,
@@ -47,13 +48,19 @@ from pytest_msprobe.replay.pristine import capture_when_torch_loads
 from pytest_msprobe.report.links import Links
 from pytest_msprobe.settings import SessionSettings
 
+if TYPE_CHECKING:  # pragma: no cover (loaded when a test needs them)
+    from pytest_msprobe.pytest.rank_worker import RankProcess
+    from pytest_msprobe.run.runner import MsprobeRun, Outcome
+
 capture_when_torch_loads()  # the plugin loads before conftest and test modules, which may patch torch
 
 SESSION_KEY = pytest.StashKey[SessionSettings]()
-RANK_KEY = pytest.StashKey[Any]()  # in a rank process: its rank_worker.RankProcess
-RUN_KEY = pytest.StashKey[Any]()  # the item's MsprobeRun
-OUTCOME_KEY = pytest.StashKey[Any]()  # the item's runner.Outcome
-LINKS_KEY = pytest.StashKey[Any]()  # report.links.Links: how the pytest-html extras link the report files
+RANK_KEY: pytest.StashKey[RankProcess] = pytest.StashKey()  # in a rank process: its part of the test
+RUN_KEY: pytest.StashKey[MsprobeRun] = (
+    pytest.StashKey()
+)  # the item's run, behind the fixture's MsprobeFixture
+OUTCOME_KEY: pytest.StashKey[Outcome] = pytest.StashKey()  # what finishing the item's run found
+LINKS_KEY = pytest.StashKey[Links]()  # how the pytest-html extras link the report files
 # junitxml property: the baseline a test used (a property name that is the ini key's word, not the ini key)
 BASELINE_PROPERTY = "msprobe_baseline"
 REASON = "msprobe_reason"  # user property: one line, why a test that compared nothing failed or errored
@@ -120,13 +127,13 @@ def _refuse_external_ranks(env: Any) -> None:
 
 
 @pytest.fixture
-def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
+def msprobe(request: pytest.FixtureRequest) -> Generator[MsprobeFixture, None, None]:
     """Seeded device and debugger for a training test, compared with its baseline after the test body.
 
     Example::
 
         @pytest.mark.msprobe(task="statistics", level="L1", steps=[0, 1])
-        def test_training(msprobe):
+        def test_training(msprobe: MsprobeFixture):
             model = Net().to(msprobe.device)            # initialised after seed_all(seed, mode=True)
             for x, y in batches:
                 with msprobe.step(model):               # dumps the chosen steps
@@ -191,7 +198,7 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
         request.node.user_properties.append((REASON, _first_line(problem)))
         pytest.fail(f"msprobe: {problem}", pytrace=False)
     request.node.stash[RUN_KEY] = run
-    yield run
+    yield MsprobeFixture(run)
     try:
         run.close()  # no hooks left behind (also when the body raised); deterministic switches put back
     finally:
@@ -209,6 +216,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
 
     timeout = run.settings.rank_timeout
+    assert run.backend is not None  # chosen by check_launch for every test of several ranks
     exits = launch(pyfuncitem, run.world_size, run.backend, timeout, run.ranks_dir, run.dump_dir)
     failure = rank_failure(exits, pyfuncitem.nodeid, timeout)
     if failure is not None:
