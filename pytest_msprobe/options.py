@@ -23,6 +23,7 @@ getters) nor torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -497,14 +498,20 @@ def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> 
     return SessionSettings(baseline, regen, output, device, keep_dumps, report_only)
 
 
+def _did_you_mean(key: str) -> str:
+    """A misspelt marker keyword with the known one it is closest to: ``step (did you mean steps?)``."""
+    close = difflib.get_close_matches(key, sorted(MARKER_KEYS), n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else key
+
+
 def resolve_test(
     cli: Any, marker: Mapping[str, Any], ini: Any, ini_dir: Path, test: str = "this test"
 ) -> TestSettings:
     """Per-test settings from the marker's keywords, with ini defaults below and the command line above."""
-    unknown = set(marker) - MARKER_KEYS
+    unknown = sorted(set(marker) - MARKER_KEYS)
     if unknown:
         raise ConfigError(
-            f"@pytest.mark.msprobe on {test}: unknown keyword(s) {', '.join(sorted(unknown))} "
+            f"@pytest.mark.msprobe on {test}: unknown keyword(s) {', '.join(map(_did_you_mean, unknown))} "
             f"(known: {', '.join(sorted(MARKER_KEYS))})"
         )
     per_test = tuple(opt for opt in OPTIONS if opt.marker is not None and not opt.shared)

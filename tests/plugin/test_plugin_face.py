@@ -1,4 +1,4 @@
-"""The plugin as a newcomer meets it: the typed fixture."""
+"""The plugin as a newcomer meets it: the typed fixture, and a misspelt marker keyword with a suggestion."""
 
 from __future__ import annotations
 
@@ -36,3 +36,22 @@ def test_the_fixture_is_the_public_msprobe_fixture(pytester: pytest.Pytester) ->
     pytester.makepyfile(test_face=FACE_TEST)
     pytester.runpytest(*BASE, "--msprobe-device=cpu").assert_outcomes(passed=1)
     pytester.runpytest(*BASE, "--msprobe-device=cpu", "--msprobe-self-check").assert_outcomes(passed=1)
+
+
+# -- the marker ---------------------------------------------------------------------------------------------------
+def test_a_misspelt_marker_keyword_gets_a_suggestion(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_misspelt="""
+        import pytest
+
+        @pytest.mark.msprobe(step=[0, 1])
+        def test_misspelt(msprobe):
+            pass
+
+        def test_plain():
+            pass
+        """
+    )
+    result = pytester.runpytest(*BASE)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*unknown keyword(s) step (did you mean steps?) (known: *"])
