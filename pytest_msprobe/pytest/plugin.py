@@ -46,6 +46,7 @@ from pytest_msprobe.options import (
 from pytest_msprobe.pytest.session import ENTRY, VERDICT, SessionReports
 from pytest_msprobe.replay.pristine import capture_when_torch_loads
 from pytest_msprobe.report.links import Links
+from pytest_msprobe.run.baseline import check_baseline_root
 from pytest_msprobe.settings import SessionSettings
 
 if TYPE_CHECKING:  # pragma: no cover (loaded when a test needs them)
@@ -86,6 +87,11 @@ def pytest_configure(config: pytest.Config) -> None:
             config, config.getini, Path(config.invocation_params.dir), _ini_dir(config)
         )
         spec = config.getoption(RANK_SPEC.dest, None)
+        session = config.stash[SESSION_KEY]
+        if spec is None and session.baseline is not None and not hasattr(config, "workerinput"):
+            # before any test trains (once, by the process that holds the session)
+            compare = not (session.regen or session.report_only)  # report-only records a missing baseline
+            check_baseline_root(session.baseline, config.rootpath, compare)
         if spec is None and config.stash[SESSION_KEY].active:
             _refuse_external_ranks(os.environ)
         if spec is not None:

@@ -1,4 +1,5 @@
-"""The plugin as a newcomer meets it: the typed fixture, and a misspelt marker keyword with a suggestion."""
+"""The plugin as a newcomer meets it: the typed fixture, a mistyped baseline folder stopped before any test
+trains, and a misspelt marker keyword with a suggestion."""
 
 from __future__ import annotations
 
@@ -36,6 +37,81 @@ def test_the_fixture_is_the_public_msprobe_fixture(pytester: pytest.Pytester) ->
     pytester.makepyfile(test_face=FACE_TEST)
     pytester.runpytest(*BASE, "--msprobe-device=cpu").assert_outcomes(passed=1)
     pytester.runpytest(*BASE, "--msprobe-device=cpu", "--msprobe-self-check").assert_outcomes(passed=1)
+
+
+# -- the baseline folder, checked before any test trains ---------------------------------------------------------
+SLOW_TEST = """
+import pytest
+
+
+@pytest.mark.msprobe(steps=[0])
+def test_train(msprobe):
+    raise AssertionError("a test trained before the baseline folder was checked")
+"""
+
+
+def _usage_error(result: pytest.RunResult, line: str) -> None:
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {line}"])
+    assert "a test trained" not in result.stdout.str()
+
+
+def test_a_mistyped_baseline_folder_stops_the_session_with_the_close_name(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_train=SLOW_TEST)
+    (pytester.path / "baselines").mkdir()
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=baselnes")
+    _usage_error(
+        result,
+        f"the baseline folder {pytester.path / 'baselnes'} does not exist; did you mean "
+        f"{pytester.path / 'baselines'}? (to write new baselines there, add --msprobe-regen-baseline)",
+    )
+    # a typo in a folder above it: the corrected path
+    (pytester.path / "baselines" / "gpu").mkdir()
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=baselnes/gpu")
+    _usage_error(result, f"*does not exist; did you mean {pytester.path / 'baselines' / 'gpu'}?*")
+
+
+def test_a_baseline_folder_under_a_missing_parent_names_the_nearest_folder(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_train=SLOW_TEST)
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=ci/gpu/baselines")
+    _usage_error(
+        result,
+        f"the baseline folder {pytester.path / 'ci/gpu/baselines'} does not exist; the nearest folder that "
+        f"exists is {pytester.path}*",
+    )
+
+
+def test_a_new_baseline_folder_is_left_to_the_regeneration_and_to_report_only(
+    pytester: pytest.Pytester, train_test
+) -> None:
+    train_test()
+    (pytester.path / "baselines").mkdir()
+    # regenerating into a new (even a close-named) folder is what it is for
+    regen = pytester.runpytest(*BASE, "--msprobe-baseline=baselnes", "--msprobe-regen-baseline")
+    regen.assert_outcomes(passed=1)
+    # report-only records the missing baseline as the test's verdict
+    lenient = pytester.runpytest(*BASE, "--msprobe-baseline=basel", "--msprobe-report-only")
+    lenient.assert_outcomes(passed=1)
+    lenient.stdout.fnmatch_lines(["MISSING (report-only: not failing the test)*"])
+
+
+def test_one_tests_own_baseline_folder_as_the_root_names_the_root(
+    pytester: pytest.Pytester, train_test
+) -> None:
+    train_test()
+    pytester.runpytest(*BASE, "--msprobe-baseline=bl", "--msprobe-regen-baseline").assert_outcomes(passed=1)
+    own = pytester.path / "bl" / "test_train" / "test_train"
+    assert (own / "step0").is_dir()
+    for extra in ([], ["--msprobe-regen-baseline"]):
+        result = pytester.runpytest(*BASE, f"--msprobe-baseline={own}", *extra)
+        _usage_error(
+            result,
+            f"the baseline folder {own} is one test's own baseline (it holds step0, msprobe_manifest.json), so "
+            f"every test's folder would be looked for inside it: give the folder that holds all the tests' "
+            f"baselines, {pytester.path / 'bl'}?",
+        )
+    # the right root still compares
+    pytester.runpytest(*BASE, "--msprobe-baseline=bl").assert_outcomes(passed=1)
 
 
 # -- the marker ---------------------------------------------------------------------------------------------------
