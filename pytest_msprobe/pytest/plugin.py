@@ -299,24 +299,22 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_pycollect_makeitem(
-    collector: pytest.Collector, name: str, obj: object
-) -> Generator[None, Any, Any]:
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test marked msprobe that does not take the ``msprobe`` fixture would run unseeded and undumped, and
-    pass without comparing anything: an error at collection instead."""
-    made = yield
-    for item in made if isinstance(made, list) else [made]:
-        if (
-            isinstance(item, pytest.Function)
-            and item.get_closest_marker("msprobe") is not None
-            and "msprobe" not in item.fixturenames
-        ):
-            raise collector.CollectError(
-                f"{item.nodeid}: @pytest.mark.msprobe needs the msprobe fixture: add it to the test's "
-                f"arguments (def {item.originalname}(msprobe): ...) or drop the marker"
-            )
-    return made
+    pass without comparing anything: that test is an error at its set-up, and the others run."""
+    if (
+        isinstance(item, pytest.Function)
+        and item.get_closest_marker("msprobe") is not None
+        and "msprobe" not in item.fixturenames
+    ):
+        problem = (
+            f"{item.nodeid}: @pytest.mark.msprobe needs the msprobe fixture: add it to the test's "
+            f"arguments (def {item.originalname}(msprobe): ...) or drop the marker"
+        )
+        item.user_properties.append((VERDICT, "error"))
+        item.user_properties.append((REASON, problem))
+        pytest.fail(f"msprobe: {problem}", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)

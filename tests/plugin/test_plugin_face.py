@@ -1,5 +1,5 @@
 """The plugin as a newcomer meets it: the typed fixture, a mistyped baseline folder stopped before any test
-trains, and a misspelt marker keyword with a suggestion."""
+trains, a marker misused on one test erring that test alone, and a misspelt marker keyword with a suggestion."""
 
 from __future__ import annotations
 
@@ -115,6 +115,38 @@ def test_one_tests_own_baseline_folder_as_the_root_names_the_root(
 
 
 # -- the marker ---------------------------------------------------------------------------------------------------
+MISUSED = """
+import pytest
+
+
+@pytest.mark.msprobe(steps=[0])
+def test_forgot():
+    pass
+
+
+def test_plain():
+    pass
+
+
+@pytest.mark.msprobe(steps=[0])
+def test_right(msprobe):
+    with msprobe.step():
+        pass
+"""
+
+
+def test_a_marker_without_the_fixture_errs_that_test_and_the_others_run(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_misused=MISUSED)
+    result = pytester.runpytest(*BASE)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*msprobe: test_misused.py::test_forgot: @pytest.mark.msprobe needs the msprobe fixture: add it to "
+            "the test's arguments (def test_forgot(msprobe): ...) or drop the marker",
+        ]
+    )
+
+
 def test_a_misspelt_marker_keyword_gets_a_suggestion(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_misspelt="""
