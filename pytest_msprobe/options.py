@@ -34,7 +34,13 @@ from pytest_msprobe import settings
 from pytest_msprobe.compare.thresholds import FLOATING, ApiRule, Thresholds, Tolerance, load_thresholds_file
 from pytest_msprobe.dump.config import LEVELS, TASKS, parse_size
 from pytest_msprobe.errors import ConfigError
-from pytest_msprobe.settings import DEFAULT_RANK_TIMEOUT, SessionSettings, TestSettings, check_apart
+from pytest_msprobe.settings import (
+    DEFAULT_RANK_TIMEOUT,
+    RANK_STARTUP,
+    SessionSettings,
+    TestSettings,
+    check_apart,
+)
 
 Getter = Callable[[str], Any]
 Check = Callable[[Any, str], Any]  # (value, where it was given) -> the value, or ConfigError quoting both
@@ -182,7 +188,8 @@ RANK_TIMEOUT = Option(
     "rank_timeout", flag="--msprobe-rank-timeout", ini="msprobe_rank_timeout", marker="rank_timeout",
     default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS", check=settings.check_seconds,
     help="stop the rank processes of a multi-rank test (marker world_size=N) that have not finished after "
-    "SECONDS, start-up included, and fail the test (default: {default}; ini: {ini}; marker: {marker}=)",
+    f"SECONDS, counted once they have all joined the process group (their start-up may take {RANK_STARTUP:g} s "
+    "more), and fail the test (default: {default}; ini: {ini}; marker: {marker}=)",
     ini_help="seconds the rank processes of a multi-rank test may take ({flag}; default: {default})",
 )
 TREND_STEPS = Option(

@@ -28,9 +28,14 @@ from pytest_msprobe.errors import ConfigError
 _N = TypeVar("_N", int, float)
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # what --msprobe-device takes (run.device picks one)
 
-# seconds the rank processes of a multi-rank test may take, start-up included: a collective that one rank never
+# seconds the rank processes of a multi-rank test may take once they have all joined the process group (their
+# start-up has a limit of its own, RANK_STARTUP): a collective that one rank never
 # joins hangs the others for good, and a CI job should fail long before its own limit kills everything
 DEFAULT_RANK_TIMEOUT = 600.0
+# seconds a rank's start-up (Python, torch, the conftest files, joining the process group) may take beyond the
+# rank timeout; the process group's own timeout is as long, so that a collective never gives up before the
+# launcher stops a hung rank
+RANK_STARTUP = 300.0
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class TestSettings:
     max_dump_size: int | None = None  # bytes of tensor files the test's dump may take (None: no limit)
     world_size: int = 1  # > 1: the test body runs in that many rank processes under torch.distributed
     backend: str | None = None  # torch.distributed backend of the ranks; None: by device (gloo, nccl, hccl)
-    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds the rank processes may take, start-up included
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds the rank processes may take once all have started
     self_check: bool = False  # replay each API call in float64 and fail on one whose own error is out of line
     checklist_env: tuple[str, ...] = ()  # environment variables the checklist records beyond its own list
     trend_steps: int | None = None  # record and compare the loss and gradient norms of steps 0..N-1

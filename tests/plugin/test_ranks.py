@@ -374,6 +374,26 @@ def test_run_processes_kills_what_ignores_sigterm_after_the_grace(tmp_path: Path
 
 
 @pytest.mark.skipif(os.name != "posix", reason="process groups and signals")
+def test_run_processes_counts_the_timeout_from_when_every_process_is_ready(tmp_path: Path) -> None:
+    # a slow start (rank 1 "imports torch" for 3 s) is not the test's time: the 1 s count from the last ready
+    ready = [tmp_path / "a.ready", tmp_path / "b.ready"]
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+
+    def starter(delay: float, path: Path) -> list[str]:
+        body = f"import pathlib, time; time.sleep({delay}); pathlib.Path({str(path)!r}).touch(); time.sleep(60)"
+        return [sys.executable, "-c", body]
+
+    start = time.monotonic()
+    ends = run_processes(
+        [starter(0, ready[0]), starter(3, ready[1])], [dict(os.environ)] * 2, tmp_path, logs, 1, ready=ready
+    )
+    assert all(path.exists() for path in ready)  # neither was stopped while starting
+    assert time.monotonic() - start >= 4  # 3 s of start-up, then the 1 s
+    assert [(end.order, end.timed_out) for end in ends] == [(-1, True), (-1, True)]
+    assert children() == []
+
+
+@pytest.mark.skipif(os.name != "posix", reason="process groups and signals")
 def test_run_processes_reaps_every_process_on_keyboard_interrupt(tmp_path: Path) -> None:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
