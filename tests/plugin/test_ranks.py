@@ -380,7 +380,9 @@ def test_run_processes_counts_the_timeout_from_when_every_process_is_ready(tmp_p
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
 
     def starter(delay: float, path: Path) -> list[str]:
-        body = f"import pathlib, time; time.sleep({delay}); pathlib.Path({str(path)!r}).touch(); time.sleep(60)"
+        body = (
+            f"import pathlib, time; time.sleep({delay}); pathlib.Path({str(path)!r}).touch(); time.sleep(60)"
+        )
         return [sys.executable, "-c", body]
 
     start = time.monotonic()
