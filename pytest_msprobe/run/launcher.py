@@ -233,6 +233,7 @@ class RankExit:
     report: str  # the failure's report, the skip's reason
     output: str  # what the rank wrote to stdout and stderr (the end of it)
     stack: str  # its Python stacks when it was stopped at the timeout
+    started: bool = True  # it had joined the process group (its ready file): the timeout's clock had started
 
 
 def _read_tail(path: Path, limit: int = _OUTPUT_LIMIT) -> str:
@@ -261,6 +262,7 @@ def _rank_exit(spec: RankSpec, rank: int, end: ProcessEnd) -> RankExit:
         report=str(result.get("report", "")),
         output=_read_tail(spec.file(rank, ".log")),
         stack=_read_tail(spec.file(rank, ".stack")),
+        started=spec.file(rank, ".ready").exists(),
     )
 
 

@@ -459,6 +459,12 @@ def _exit(rank: int, status: int = 0, order: int = 0, outcome: str = "passed", *
             "rank 0 of 2 did not finish within 5 s and was stopped (raise --msprobe-rank-timeout or the "
             "marker's rank_timeout=); rank 1 passed",
         ),
+        (  # stuck before the process group (the clock had not started): the start-up's own limit
+            [_exit(0, -9, -1, "", timed_out=True, started=False), _exit(1, -9, -1, "", timed_out=True)],
+            0,
+            "ranks 0, 1 of 2 did not join the process group within 305 s and were stopped (raise "
+            "--msprobe-rank-timeout or the marker's rank_timeout=)",
+        ),
     ],
 )
 def test_rank_failure_blames_the_first_rank_to_fail(
