@@ -4,6 +4,8 @@ The public names mirror msprobe's, so a training script switches with one import
 
     from pytest_msprobe import PrecisionDebugger, seed_all
 
+and a test annotates the ``msprobe`` fixture with :class:`MsprobeFixture`.
+
 Importing this package does not import torch: the names that need it load on first use.
 """
 
@@ -15,16 +17,17 @@ from typing import TYPE_CHECKING, Any
 # subpackage ``pytest_msprobe.compare`` (as msprobe's own package does), so ``pytest_msprobe.compare(...)``
 # calls it. The compare needs numpy only.
 from pytest_msprobe.compare.run import compare
+from pytest_msprobe.version import __version__
 
-__version__ = "0.1.0"
-
-__all__ = ["PrecisionDebugger", "__version__", "compare", "seed_all"]
+__all__ = ["MsprobeFixture", "PrecisionDebugger", "__version__", "compare", "seed_all"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from pytest_msprobe.dump.debugger import PrecisionDebugger
     from pytest_msprobe.dump.determinism import seed_all
+    from pytest_msprobe.fixture import MsprobeFixture
 
 _LAZY = {
+    "MsprobeFixture": "pytest_msprobe.fixture",
     "PrecisionDebugger": "pytest_msprobe.dump.debugger",
     "seed_all": "pytest_msprobe.dump.determinism",
 }

@@ -68,7 +68,7 @@ def version() -> str:
     try:
         return installed(PROG)
     except PackageNotFoundError:
-        from pytest_msprobe import __version__
+        from pytest_msprobe.version import __version__
 
         return __version__
 
@@ -90,7 +90,7 @@ def _refused_dest(flags: tuple[str, ...]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from pytest_msprobe.options import add_threshold_options
-    from pytest_msprobe.run.settings import parse_number
+    from pytest_msprobe.settings import parse_number
 
     parser = argparse.ArgumentParser(prog=PROG, description="Precision tools for msprobe-format dumps.")
     parser.add_argument("-V", "--version", action=_VersionAction, help="print the version and exit")

@@ -23,18 +23,24 @@ getters) nor torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_msprobe import settings
 from pytest_msprobe.compare.thresholds import FLOATING, ApiRule, Thresholds, Tolerance, load_thresholds_file
 from pytest_msprobe.dump.config import LEVELS, TASKS, parse_size
 from pytest_msprobe.errors import ConfigError
-from pytest_msprobe.run import settings
-from pytest_msprobe.run.folders import check_apart
-from pytest_msprobe.run.settings import DEFAULT_RANK_TIMEOUT, SessionSettings, TestSettings
+from pytest_msprobe.settings import (
+    DEFAULT_RANK_TIMEOUT,
+    RANK_STARTUP,
+    SessionSettings,
+    TestSettings,
+    check_apart,
+)
 
 Getter = Callable[[str], Any]
 Check = Callable[[Any, str], Any]  # (value, where it was given) -> the value, or ConfigError quoting both
@@ -88,8 +94,15 @@ def _choice(choices: tuple[str, ...], what: str) -> Check:
 
 
 def _shared(name: str, **fields: Any) -> Option:
-    """A threshold option: the offline CLI takes it too."""
-    return Option(name, shared=True, **fields)
+    """A threshold option: the offline CLI takes it too. Its flag, ini key and marker keyword are its name
+    (``rtol``: ``--msprobe-rtol``, ``msprobe_rtol``, ``rtol=``) unless ``fields`` say otherwise."""
+    spelled = {"flag": "--msprobe-" + name.replace("_", "-"), "ini": "msprobe_" + name, "marker": name}
+    return Option(name, shared=True, **{**spelled, **fields})
+
+
+def _switch(name: str, **fields: Any) -> Option:
+    """An on/off option: a bare flag on the command line, true or false in the ini file and the marker."""
+    return Option(name, default=False, action="store_true", check=settings.check_flag, **fields)
 
 
 def _msprobe_rule(value: Any, where: str) -> bool:
@@ -106,9 +119,8 @@ BASELINE = Option(
     help="folder of per-test baseline dumps; turns on dumping and comparing (ini: {ini})",
     ini_help="folder of baselines; enables the precision comparison ({flag})",
 )
-REGEN = Option(
+REGEN = _switch(
     "regen_baseline", flag="--msprobe-regen-baseline", ini="msprobe_regen_baseline",
-    default=False, action="store_true", check=settings.check_flag,
     help="write each msprobe test's dump as its baseline instead of comparing (ini: {ini})",
     ini_help="true: write the baselines instead of comparing ({flag})",
 )
@@ -151,16 +163,14 @@ MAX_DUMP_SIZE = Option(
     "(ini: {ini}; marker: {marker}=)",
     ini_help="most a test's tensor files may take, e.g. 500MB or 2GiB ({flag})",
 )
-KEEP_DUMPS = Option(
+KEEP_DUMPS = _switch(
     "keep_dumps", flag="--msprobe-keep-dumps", ini="msprobe_keep_dumps",
-    default=False, action="store_true", check=settings.check_flag,
     help="keep the dumps of passing tests and regenerated baselines; by default only those of tests that "
     "fail or error stay in --msprobe-output (ini: {ini})",
     ini_help="true: keep the dumps of passing tests and regenerated baselines ({flag})",
 )
-SELF_CHECK = Option(
+SELF_CHECK = _switch(
     "self_check", flag="--msprobe-self-check", ini="msprobe_self_check", marker="self_check",
-    default=False, action="store_true", check=settings.check_flag,
     help="replay each API call on the CPU in float64 as the steps run and fail on a call whose own error is "
     "out of line; without a baseline the steps are dumped for it (ini: {ini}; marker: {marker}=)",
     ini_help="true: replay each API call in float64 and fail on its own error ({flag})",
@@ -178,7 +188,8 @@ RANK_TIMEOUT = Option(
     "rank_timeout", flag="--msprobe-rank-timeout", ini="msprobe_rank_timeout", marker="rank_timeout",
     default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS", check=settings.check_seconds,
     help="stop the rank processes of a multi-rank test (marker world_size=N) that have not finished after "
-    "SECONDS, start-up included, and fail the test (default: {default}; ini: {ini}; marker: {marker}=)",
+    f"SECONDS, counted once they have all joined the process group (their start-up may take {RANK_STARTUP:g} s "
+    "more), and fail the test (default: {default}; ini: {ini}; marker: {marker}=)",
     ini_help="seconds the rank processes of a multi-rank test may take ({flag}; default: {default})",
 )
 TREND_STEPS = Option(
@@ -191,82 +202,73 @@ TREND_RTOL = Option(
     check=settings.check_trend_rtol, check_names_it=True, ini_help="relative tolerance of the trend ({flag})",
     help="relative tolerance of the trend (default: the training dtype's, float32 1e-4) (ini: {ini})",
 )
-REPORT_ONLY = Option(
+REPORT_ONLY = _switch(
     "report_only", flag="--msprobe-report-only", ini="msprobe_report_only", marker="report_only",
-    default=False, action="store_true", check=settings.check_flag,
     help="record each msprobe test's precision verdict (a breach, a missing baseline) in the reports without "
     "failing the test; usage errors and unusable baselines still do (ini: {ini}; marker: {marker}=)",
     ini_help="true: record precision verdicts without failing the tests ({flag})",
 )
-ALLOW_TF32 = Option(
-    "allow_tf32", flag="--msprobe-allow-tf32", ini="msprobe_allow_tf32", marker="allow_tf32", default=False,
-    action="store_true", check=settings.check_flag, ini_help="true: leave TF32 and HF32 as the device has them ({flag})",
-    help="leave TF32 and HF32 as the device and the test set them, instead of float32 math in float32 (ini: {ini}; marker: {marker}=)",
+ALLOW_TF32 = _switch(
+    "allow_tf32", flag="--msprobe-allow-tf32", ini="msprobe_allow_tf32", marker="allow_tf32",
+    help="leave TF32 and HF32 as the device and the test set them, instead of float32 math in float32 "
+    "(ini: {ini}; marker: {marker}=)",
+    ini_help="true: leave TF32 and HF32 as the device has them ({flag})",
 )
 # a rank process's part of its test, given by the plugin
 RANK_SPEC = Option("rank_spec", flag="--msprobe-rank-spec", help=argparse.SUPPRESS)
 THRESHOLD_OPTIONS = (
     _shared(
-        "rtol", flag="--msprobe-rtol", ini="msprobe_rtol", marker="rtol",
-        metavar="FLOAT", type=settings.parse_nonnegative,
+        "rtol", metavar="FLOAT", type=settings.parse_nonnegative,
         help="error tolerance (scaled error) for every floating dtype, replacing the dtype table "
         "(float32 default 1e-4); the warning level follows at a tenth unless set",
         ini_help="error tolerance (scaled error) of every floating dtype",
     ),
     _shared(
-        "warn_rtol", flag="--msprobe-warn-rtol", ini="msprobe_warn_rtol", marker="warn_rtol",
-        metavar="FLOAT", type=settings.parse_nonnegative,
+        "warn_rtol", metavar="FLOAT", type=settings.parse_nonnegative,
         help="warning level (scaled error) for every floating dtype",
         ini_help="warning level (scaled error) of every floating dtype",
     ),
     _shared(
-        "atol", flag="--msprobe-atol", ini="msprobe_atol", marker="atol",
-        metavar="FLOAT", type=settings.parse_nonnegative,
+        "atol", metavar="FLOAT", type=settings.parse_nonnegative,
         help="absolute differences at or below this never count (float32 default 1e-9)",
         ini_help="absolute differences at or below this never count",
     ),
     _shared(
-        "dtype_rtol", flag="--msprobe-dtype-rtol", ini="msprobe_dtype_rtol", marker="dtype_rtol",
-        metavar="DTYPE=FLOAT", action="append", type=settings.parse_dtype_pair, ini_type="linelist",
+        "dtype_rtol", metavar="DTYPE=FLOAT", action="append", type=settings.parse_dtype_pair, ini_type="linelist",
         help="error tolerance of one dtype, e.g. bfloat16=0.03 (repeatable)",
         ini_help="lines of DTYPE=FLOAT: error tolerance of one dtype",
     ),
     _shared(
-        "api_rtol", flag="--msprobe-api-rtol", ini="msprobe_api_rtol", marker="api_rtol",
-        metavar="PATTERN=FLOAT", action="append", type=settings.parse_pair, ini_type="linelist",
+        "api_rtol", metavar="PATTERN=FLOAT", action="append", type=settings.parse_pair, ini_type="linelist",
         help="error tolerance of the APIs (or rows) matching a glob, e.g. 'Functional.softmax.*=1e-3' "
         "(repeatable)",
         ini_help="lines of GLOB=FLOAT: error tolerance of matching APIs or rows",
     ),
     _shared(
-        "skip_api", flag="--msprobe-skip-api", ini="msprobe_skip_api", marker="skip_api",
-        metavar="PATTERN", action="append", ini_type="linelist",
+        "skip_api", metavar="PATTERN", action="append", ini_type="linelist",
         help="report the APIs (or rows) matching a glob but never fail on them (repeatable)",
         ini_help="lines of GLOB: report matching APIs but never fail on them",
     ),
     _shared(
-        "amplification", flag="--msprobe-amplification", ini="msprobe_amplification", marker="amplification",
-        metavar="FACTOR", type=settings.parse_amplification,
+        "amplification", metavar="FACTOR", type=settings.parse_amplification,
         help="when errors already flow in, the first divergence is the first API whose output error is "
         "FACTOR times its input error (default 10)",
         ini_help="output/input error ratio that places the first divergence when errors flow in",
     ),
     _shared(
-        "max_unmatched", flag="--msprobe-max-unmatched", ini="msprobe_max_unmatched", marker="max_unmatched",
-        metavar="SHARE", type=settings.parse_share_option,
+        "max_unmatched", metavar="SHARE", type=settings.parse_share_option,
         help="fail when more than SHARE of the baseline's rows in a dump pair (step, rank) found no partner "
         "in the target, e.g. 5%% or 0.05 (default 5%%; 0: every baseline row must pair)",
         ini_help="most of a dump pair's baseline rows that may find no partner in the target (5% or 0.05)",
     ),
     _shared(
-        "thresholds", flag="--msprobe-thresholds", ini="msprobe_thresholds", marker="thresholds",
-        metavar="FILE", ini_path=True,
+        "thresholds", metavar="FILE", ini_path=True,
         help="JSON file of thresholds ({'dtypes': {...}, 'apis': [...], 'amplification': ..., "
         "'msprobe_rule': ..., 'max_unmatched': ...}); the options above override it",
         ini_help="JSON file of thresholds",
     ),
     _shared(
-        "no_msprobe_rule", flag="--msprobe-no-msprobe-rule", marker="msprobe_rule",
+        "no_msprobe_rule", ini=None, marker="msprobe_rule",
         default=False, action="store_true", check=_msprobe_rule,
         help="tensor mode: do not also apply msprobe 8.3.3's cosine / MaxAbsErr accuracy rule",
     ),
@@ -503,14 +505,20 @@ def resolve_session(cli: Any, ini: Any, invocation_dir: Path, ini_dir: Path) -> 
     return SessionSettings(baseline, regen, output, device, keep_dumps, report_only)
 
 
+def _did_you_mean(key: str) -> str:
+    """A misspelt marker keyword with the known one it is closest to: ``step (did you mean steps?)``."""
+    close = difflib.get_close_matches(key, sorted(MARKER_KEYS), n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else key
+
+
 def resolve_test(
     cli: Any, marker: Mapping[str, Any], ini: Any, ini_dir: Path, test: str = "this test"
 ) -> TestSettings:
     """Per-test settings from the marker's keywords, with ini defaults below and the command line above."""
-    unknown = set(marker) - MARKER_KEYS
+    unknown = sorted(set(marker) - MARKER_KEYS)
     if unknown:
         raise ConfigError(
-            f"@pytest.mark.msprobe on {test}: unknown keyword(s) {', '.join(sorted(unknown))} "
+            f"@pytest.mark.msprobe on {test}: unknown keyword(s) {', '.join(map(_did_you_mean, unknown))} "
             f"(known: {', '.join(sorted(MARKER_KEYS))})"
         )
     per_test = tuple(opt for opt in OPTIONS if opt.marker is not None and not opt.shared)

@@ -19,10 +19,13 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from pytest_msprobe.errors import ConfigError, PathLike
 from pytest_msprobe.format.files import config_error, read_json
+
+if TYPE_CHECKING:  # pragma: no cover (typing.Unpack is Python 3.11's)
+    from typing_extensions import Unpack
 
 TASKS = ("statistics", "tensor", "md5", "overflow_check")
 LEVELS = ("L0", "L1", "mix")
@@ -333,6 +336,19 @@ def _warn_unknown_keys(file_data: dict[str, Any], source: str) -> None:
                 warnings.warn(_unknown_key(key, keys, f"{source}: section {name!r}"), stacklevel=4)
 
 
+class DumpArgs(TypedDict, total=False):
+    """The keyword settings that :class:`~pytest_msprobe.dump.debugger.PrecisionDebugger` hands on to
+    :func:`build_config` as given; None or left out: from config.json, else the default."""
+
+    rank: Any
+    scope: list[str] | None
+    data_mode: list[str] | None
+    summary_mode: str | None
+    max_dump_size: int | str | None
+    self_check: bool | None
+    overflow_nums: int | None
+
+
 def build_config(
     config_path: PathLike | None = None,
     *,
@@ -340,14 +356,8 @@ def build_config(
     dump_path: PathLike | None = None,
     level: str | None = None,
     step: Any = None,
-    rank: Any = None,
-    scope: list[str] | None = None,
     api_list: list[str] | None = None,
-    data_mode: list[str] | None = None,
-    summary_mode: str | None = None,
-    max_dump_size: int | str | None = None,
-    self_check: bool | None = None,
-    overflow_nums: int | None = None,
+    **given: Unpack[DumpArgs],
 ) -> DumpConfig:
     """Merge a config file (optional) with explicit arguments (which win) into a validated DumpConfig."""
     source = os.fspath(config_path) if config_path is not None else None
@@ -374,7 +384,7 @@ def build_config(
         raise ConfigError(f"dump_path={path_value!r}{_where(path_src)}: expected a non-empty path")
 
     step_value, step_src = pick("step", step)
-    rank_value, rank_src = pick("rank", rank)
+    rank_value, rank_src = pick("rank", given.get("rank"))
 
     # the per-task section: "statistics" holds the md5 switch, as in msprobe
     section_name = task_value if task_value in ("tensor", "overflow_check") else "statistics"
@@ -389,7 +399,7 @@ def build_config(
             return section[key], source
         return None, None
 
-    scope_value, scope_src = pick_section("scope", scope)
+    scope_value, scope_src = pick_section("scope", given.get("scope"))
     scope_tuple = _check_str_list("scope", scope_value, scope_src)
     if len(scope_tuple) > 2:
         raise ConfigError(
@@ -398,10 +408,10 @@ def build_config(
         )
     list_value, list_src = pick_section("list", api_list)
     list_tuple = _check_str_list("list", list_value, list_src)
-    mode_value, mode_src = pick_section("data_mode", data_mode)
+    mode_value, mode_src = pick_section("data_mode", given.get("data_mode"))
     modes = _parse_data_mode(mode_value, mode_src)
 
-    summary_value, summary_src = pick_section("summary_mode", summary_mode)
+    summary_value, summary_src = pick_section("summary_mode", given.get("summary_mode"))
     if task_value == "md5":
         if summary_value not in (None, "md5"):
             raise ConfigError(
@@ -415,7 +425,7 @@ def build_config(
         if task_value in ("tensor", "overflow_check") and summary_value == "md5":
             raise ConfigError(f"summary_mode='md5'{_where(summary_src)}: only valid with task 'statistics'")
 
-    nums_value, nums_src = pick_section("overflow_nums", overflow_nums)
+    nums_value, nums_src = pick_section("overflow_nums", given.get("overflow_nums"))
     if nums_value is None:
         nums_value = 1
     if (
@@ -428,7 +438,7 @@ def build_config(
             "(1 or more), or -1 for all of them"
         )
 
-    check_value, check_src = pick("self_check", self_check, False)
+    check_value, check_src = pick("self_check", given.get("self_check"), False)
     if not isinstance(check_value, bool):
         raise ConfigError(f"self_check={check_value!r}{_where(check_src)}: expected true or false")
     if check_value and level_value == "L0":
@@ -446,7 +456,9 @@ def build_config(
         scope=scope_tuple,
         api_list=list_tuple,
         data_mode=modes,
-        max_dump_size=None if max_dump_size is None else parse_size(max_dump_size, "max_dump_size"),
+        max_dump_size=None
+        if (size := given.get("max_dump_size")) is None
+        else parse_size(size, "max_dump_size"),
         self_check=check_value,
         overflow_nums=nums_value,
     )

@@ -42,13 +42,13 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pytest_msprobe.dump import precision, threads
 from pytest_msprobe.dump.checklist import StepChecklist, caller_model
-from pytest_msprobe.dump.config import DumpConfig, build_config, format_size
+from pytest_msprobe.dump.config import DumpArgs, DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
 from pytest_msprobe.dump.overflow import keep_overflows, keep_stacks
 from pytest_msprobe.dump.recorder import Recorder
@@ -68,6 +68,9 @@ from pytest_msprobe.dump.writer import (
 )
 from pytest_msprobe.errors import ConfigError, DumpError, DumpSizeError, PathLike
 from pytest_msprobe.format.layout import TENSOR_DIR, TENSOR_SUFFIX
+
+if TYPE_CHECKING:  # pragma: no cover (typing.Unpack is Python 3.11's)
+    from typing_extensions import Unpack
 
 # the debugger started on each thread (by thread ident): at most one per thread
 _STARTED: dict[int, PrecisionDebugger] = {}
@@ -93,30 +96,12 @@ class PrecisionDebugger:
         model: torch.nn.Module | None = None,
         step: Any = None,
         *,
-        rank: Any = None,
-        scope: list[str] | None = None,
         list: list[str] | None = None,
-        data_mode: list[str] | None = None,
-        summary_mode: str | None = None,
-        max_dump_size: int | str | None = None,
-        self_check: bool | None = None,
         checklist_env: Sequence[str] = (),
-        overflow_nums: int | None = None,
+        **given: Unpack[DumpArgs],  # rank, scope, data_mode, summary_mode, max_dump_size, self_check...
     ) -> None:
         self.config: DumpConfig = build_config(
-            config_path,
-            task=task,
-            dump_path=dump_path,
-            level=level,
-            step=step,
-            rank=rank,
-            scope=scope,
-            api_list=list,
-            data_mode=data_mode,
-            summary_mode=summary_mode,
-            max_dump_size=max_dump_size,
-            self_check=self_check,
-            overflow_nums=overflow_nums,
+            config_path, task=task, dump_path=dump_path, level=level, step=step, api_list=list, **given
         )
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model={type(model).__name__}: expected a torch.nn.Module")

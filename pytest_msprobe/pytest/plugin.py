@@ -30,11 +30,12 @@ from __future__ import annotations
 import os
 from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_msprobe.errors import BaselineError, MsprobeError
+from pytest_msprobe.fixture import MsprobeFixture
 from pytest_msprobe.options import (
     MARKER_HELP,
     RANK_SPEC,
@@ -45,15 +46,22 @@ from pytest_msprobe.options import (
 from pytest_msprobe.pytest.session import ENTRY, VERDICT, SessionReports
 from pytest_msprobe.replay.pristine import capture_when_torch_loads
 from pytest_msprobe.report.links import Links
-from pytest_msprobe.run.settings import SessionSettings
+from pytest_msprobe.run.baseline import check_baseline_root
+from pytest_msprobe.settings import SessionSettings
+
+if TYPE_CHECKING:  # pragma: no cover (loaded when a test needs them)
+    from pytest_msprobe.pytest.rank_worker import RankProcess
+    from pytest_msprobe.run.runner import MsprobeRun, Outcome
 
 capture_when_torch_loads()  # the plugin loads before conftest and test modules, which may patch torch
 
 SESSION_KEY = pytest.StashKey[SessionSettings]()
-RANK_KEY = pytest.StashKey[Any]()  # in a rank process: its rank_worker.RankProcess
-RUN_KEY = pytest.StashKey[Any]()  # the item's MsprobeRun
-OUTCOME_KEY = pytest.StashKey[Any]()  # the item's runner.Outcome
-LINKS_KEY = pytest.StashKey[Any]()  # report.links.Links: how the pytest-html extras link the report files
+RANK_KEY: pytest.StashKey[RankProcess] = pytest.StashKey()  # in a rank process: its part of the test
+RUN_KEY: pytest.StashKey[MsprobeRun] = (
+    pytest.StashKey()
+)  # the item's run, behind the fixture's MsprobeFixture
+OUTCOME_KEY: pytest.StashKey[Outcome] = pytest.StashKey()  # what finishing the item's run found
+LINKS_KEY = pytest.StashKey[Links]()  # how the pytest-html extras link the report files
 # junitxml property: the baseline a test used (a property name that is the ini key's word, not the ini key)
 BASELINE_PROPERTY = "msprobe_baseline"
 REASON = "msprobe_reason"  # user property: one line, why a test that compared nothing failed or errored
@@ -79,6 +87,11 @@ def pytest_configure(config: pytest.Config) -> None:
             config, config.getini, Path(config.invocation_params.dir), _ini_dir(config)
         )
         spec = config.getoption(RANK_SPEC.dest, None)
+        session = config.stash[SESSION_KEY]
+        if spec is None and session.baseline is not None and not hasattr(config, "workerinput"):
+            # before any test trains (once, by the process that holds the session)
+            compare = not (session.regen or session.report_only)  # report-only records a missing baseline
+            check_baseline_root(session.baseline, config.rootpath, compare)
         if spec is None and config.stash[SESSION_KEY].active:
             _refuse_external_ranks(os.environ)
         if spec is not None:
@@ -120,13 +133,13 @@ def _refuse_external_ranks(env: Any) -> None:
 
 
 @pytest.fixture
-def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
+def msprobe(request: pytest.FixtureRequest) -> Generator[MsprobeFixture, None, None]:
     """Seeded device and debugger for a training test, compared with its baseline after the test body.
 
     Example::
 
         @pytest.mark.msprobe(task="statistics", level="L1", steps=[0, 1])
-        def test_training(msprobe):
+        def test_training(msprobe: MsprobeFixture):
             model = Net().to(msprobe.device)            # initialised after seed_all(seed, mode=True)
             for x, y in batches:
                 with msprobe.step(model):               # dumps the chosen steps
@@ -191,7 +204,7 @@ def msprobe(request: pytest.FixtureRequest) -> Generator[Any, None, None]:
         request.node.user_properties.append((REASON, _first_line(problem)))
         pytest.fail(f"msprobe: {problem}", pytrace=False)
     request.node.stash[RUN_KEY] = run
-    yield run
+    yield MsprobeFixture(run)
     try:
         run.close()  # no hooks left behind (also when the body raised); deterministic switches put back
     finally:
@@ -209,6 +222,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
 
     timeout = run.settings.rank_timeout
+    assert run.backend is not None  # chosen by check_launch for every test of several ranks
     exits = launch(pyfuncitem, run.world_size, run.backend, timeout, run.ranks_dir, run.dump_dir)
     failure = rank_failure(exits, pyfuncitem.nodeid, timeout)
     if failure is not None:
@@ -279,24 +293,22 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_pycollect_makeitem(
-    collector: pytest.Collector, name: str, obj: object
-) -> Generator[None, Any, Any]:
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test marked msprobe that does not take the ``msprobe`` fixture would run unseeded and undumped, and
-    pass without comparing anything: an error at collection instead."""
-    made = yield
-    for item in made if isinstance(made, list) else [made]:
-        if (
-            isinstance(item, pytest.Function)
-            and item.get_closest_marker("msprobe") is not None
-            and "msprobe" not in item.fixturenames
-        ):
-            raise collector.CollectError(
-                f"{item.nodeid}: @pytest.mark.msprobe needs the msprobe fixture: add it to the test's "
-                f"arguments (def {item.originalname}(msprobe): ...) or drop the marker"
-            )
-    return made
+    pass without comparing anything: that test is an error at its set-up, and the others run."""
+    if (
+        isinstance(item, pytest.Function)
+        and item.get_closest_marker("msprobe") is not None
+        and "msprobe" not in item.fixturenames
+    ):
+        problem = (
+            f"{item.nodeid}: @pytest.mark.msprobe needs the msprobe fixture: add it to the test's "
+            f"arguments (def {item.originalname}(msprobe): ...) or drop the marker"
+        )
+        item.user_properties.append((VERDICT, "error"))
+        item.user_properties.append((REASON, problem))
+        pytest.fail(f"msprobe: {problem}", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -142,6 +142,7 @@ class RankProcess:
         dist.init_process_group(
             self.spec.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
+        self.spec.file(self.rank, ".ready").touch()  # the launcher's clock starts when every rank is here
         return device
 
     def leave(self) -> None:

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from pytest_msprobe import __version__
 from pytest_msprobe.errors import ReportError
 from pytest_msprobe.options import BASELINE, REPORT_ONLY
 from pytest_msprobe.report.session import NOT_PASSING, entry_detail, session_summary, write_session_reports
 from pytest_msprobe.run.baseline import dump_root_above
-from pytest_msprobe.run.settings import SessionSettings
+from pytest_msprobe.settings import SessionSettings
+from pytest_msprobe.version import __version__
 
 ENTRY = "msprobe_entry"  # TestReport attribute: the test's entry of the session summary
 VERDICT = "msprobe_verdict"  # user property: passed, failed, missing, regenerated, error, or inactive

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import difflib
 import errno
 import fcntl
 import hashlib
@@ -39,9 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.errors import BaselineError
+from pytest_msprobe.errors import BaselineError, ConfigError
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.layout import STEP_DIR
+from pytest_msprobe.options import REGEN
 
 MANIFEST_NAME = "msprobe_manifest.json"
 _SAFE = re.compile(r"[^A-Za-z0-9._\-\[\]=+,@]")
@@ -109,6 +111,51 @@ def dump_root_above(path: Path) -> Path | None:
     None when there is none: what is written there must not be written into a baseline."""
     real = Path(os.path.realpath(path))
     return next((folder for folder in (real, *real.parents) if is_dump_root(folder)), None)
+
+
+def _names_a_test(relative: Path, rootdir: Path) -> bool:
+    """Whether ``relative`` reads as a test's baseline folder: a test file under ``rootdir`` (``.py`` dropped),
+    then at least one name within it (see :func:`baseline_folder`)."""
+    parts = relative.parts
+    return any(
+        rootdir.joinpath(*parts[: k - 1], parts[k - 1] + ".py").is_file() for k in range(1, len(parts))
+    )
+
+
+def check_baseline_root(root: Path, rootdir: Path, compare: bool) -> None:
+    """Refuse, before any test trains, a baseline root that cannot be the one meant: one test's own baseline
+    folder (each test's folder would be looked for, or written, inside it), or, when comparing, a folder that
+    does not exist where a sibling has a close name or its parent is missing too (a mistyped path: every test
+    would train and then miss its baseline). A new folder beside existing ones is left to the tests, each of
+    which reports its missing baseline with the command that writes it; ``rootdir`` is where test ids start.
+    """
+    root = Path(os.path.abspath(root))
+    held = [name for name in ("step0", MANIFEST_NAME, "dump.json") if (root / name).exists()]
+    if is_dump_root(root) or held:
+        above = next((a for a in root.parents if _names_a_test(root.relative_to(a), rootdir)), root.parent)
+        what = ", ".join(held) if held else "step folders"
+        raise ConfigError(
+            f"the baseline folder {root} is one test's own baseline (it holds {what}), so every test's folder "
+            f"would be looked for inside it: give the folder that holds all the tests' baselines, {above}?"
+        )
+    if not compare or root.exists():
+        return
+    existing = next(a for a in root.parents if a.is_dir())
+    first, *rest = root.relative_to(existing).parts
+    try:
+        siblings = sorted(p.name for p in existing.iterdir() if p.is_dir())
+    except OSError:
+        siblings = []
+    close = difflib.get_close_matches(first, siblings, n=1, cutoff=0.8)
+    if close:
+        hint = f"did you mean {existing.joinpath(close[0], *rest)}?"
+    elif existing != root.parent:
+        hint = f"the nearest folder that exists is {existing}"
+    else:
+        return
+    raise ConfigError(
+        f"the baseline folder {root} does not exist; {hint} (to write new baselines there, add {REGEN.flag})"
+    )
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:

@@ -13,11 +13,10 @@ import platform
 from typing import TYPE_CHECKING
 
 from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.settings import DEVICE_CHOICES
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 
 
 def npu_usable() -> bool:

@@ -13,7 +13,7 @@ from pytest_msprobe.errors import BaselineMismatchError
 from pytest_msprobe.run.baseline import read_manifest
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pytest_msprobe.run.settings import TestSettings
+    from pytest_msprobe.settings import TestSettings
 
 
 def check_baseline(folder: Path, test: TestSettings | None = None) -> None:

@@ -68,15 +68,3 @@ def is_inside(path: str, folder: Path) -> bool:
         return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
     except ValueError:
         return False
-
-
-def check_apart(output: Path, baseline: Path, what: str = "the output folder", flag: str | None = "") -> None:
-    """Refuse an output folder that is, holds or lies inside a baseline folder: a run clears its output
-    folders, and would delete the baselines it is meant to compare with. ``flag`` is the option that moves it."""
-    out, base = Path(os.path.realpath(output)), Path(os.path.realpath(baseline))
-    if out == base or out.is_relative_to(base) or base.is_relative_to(out):
-        relation = "is" if out == base else "lies inside" if out.is_relative_to(base) else "holds"
-        raise ConfigError(
-            f"{what} {output} {relation} the baseline folder {baseline}: the run would delete baselines; "
-            f"give {flag} a folder of its own"
-        )

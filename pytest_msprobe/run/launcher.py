@@ -7,7 +7,10 @@ process group through a TCPStore that the launcher holds (its port is bound befo
 tests or xdist workers can share one), runs the fixture and the body, and dumps ``step{N}/rank{R}/`` into the
 test's dump folder; the launcher then compares all ranks at once. The first rank that fails or dies stops the
 others at once (SIGTERM, then SIGKILL after a grace period, as torchrun does), also those still waiting for it
-in the rendezvous; ranks still running when the time is up write their Python stacks and are stopped. Every
+in the rendezvous; ranks still running when the time is up write their Python stacks and are stopped. The time
+counts from the moment every rank has joined the process group (each says so with a ``rank{R}.ready`` file):
+starting Python and importing torch on a loaded machine is not the test's hang, and has a limit of its own
+(the timeout and :data:`RANK_STARTUP` more). Every
 rank is reaped on every path (a failure, the timeout, Ctrl-C), and a rank whose launcher dies is killed by the
 kernel. A machine with fewer devices than ranks (one each) skips the test before any rank starts.
 
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.options import RANK_SPEC
+from pytest_msprobe.settings import RANK_STARTUP
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -58,7 +62,7 @@ class RankSpec:
     backend: str
     master_addr: str
     master_port: int
-    timeout: float
+    timeout: float  # of the process group: longer than the launcher's, which stops a hung rank first
     workdir: str  # rank{R}.log (output), rank{R}.json (result), rank{R}.stack, rank{R}/ (basetemp)
     dump_dir: str  # where every rank dumps: step{N}/rank{R}/ (the launcher compares the whole folder)
     sys_path: tuple[str, ...]  # the launcher's: rootdir and conftest folders, -p plugins on a test's own path
@@ -153,10 +157,12 @@ def run_processes(
     logs: Sequence[Path],
     timeout: float,
     grace: float = _TERM_GRACE,
+    ready: Sequence[Path] = (),
 ) -> list[ProcessEnd]:
     """Run the commands side by side until all have ended, one has failed (a non-zero status or a signal: the
     others are stopped at once) or ``timeout`` seconds have passed (those still running get STACK_SIGNAL, then
-    are stopped).
+    are stopped). Given ``ready`` (a file each process creates once it has started), the seconds count from
+    the moment all of them exist, and the start-up before it may take ``timeout`` + :data:`RANK_STARTUP`.
 
     Each runs in a session of its own (a terminal's Ctrl-C reaches only us) with stdout and stderr appended to
     its log. Stopping is torchrun's: SIGTERM to each process group, SIGKILL to what is left after ``grace``
@@ -179,13 +185,16 @@ def run_processes(
                         start_new_session=True,
                     )
                 )
-        deadline = time.monotonic() + timeout
+        starting = bool(ready)
+        deadline = time.monotonic() + timeout + (RANK_STARTUP if starting else 0.0)
         while True:
             for i, proc in enumerate(procs):
                 if i not in ended and (status := _poll_exit(proc)) is not None:
                     ended[i] = (status, len(ended))
             if len(ended) == len(procs) or any(status != 0 for status, _ in ended.values()):
                 break
+            if starting and all(path.exists() for path in ready):  # all started: the test's own time begins
+                starting, deadline = False, time.monotonic() + timeout
             if time.monotonic() >= deadline:
                 late = {i for i in range(len(procs)) if i not in ended}
                 for i in late:
@@ -224,6 +233,7 @@ class RankExit:
     report: str  # the failure's report, the skip's reason
     output: str  # what the rank wrote to stdout and stderr (the end of it)
     stack: str  # its Python stacks when it was stopped at the timeout
+    started: bool = True  # it had joined the process group (its ready file): the timeout's clock had started
 
 
 def _read_tail(path: Path, limit: int = _OUTPUT_LIMIT) -> str:
@@ -252,6 +262,7 @@ def _rank_exit(spec: RankSpec, rank: int, end: ProcessEnd) -> RankExit:
         report=str(result.get("report", "")),
         output=_read_tail(spec.file(rank, ".log")),
         stack=_read_tail(spec.file(rank, ".stack")),
+        started=spec.file(rank, ".ready").exists(),
     )
 
 
@@ -307,7 +318,7 @@ def launch(
     """
     shutil.rmtree(workdir, ignore_errors=True)  # no result file of an earlier launch may pass for this one's
     workdir.mkdir(parents=True, exist_ok=True)
-    with _store(timeout) as store:
+    with _store(timeout + RANK_STARTUP) as store:
         spec = RankSpec(
             nodeid=nodeid,
             path=str(path),
@@ -315,7 +326,7 @@ def launch(
             backend=backend,
             master_addr=MASTER_ADDR,
             master_port=int(store.port),
-            timeout=timeout,
+            timeout=timeout + RANK_STARTUP,
             workdir=str(workdir),
             dump_dir=str(dump_dir),
             sys_path=tuple(sys.path),
@@ -329,5 +340,6 @@ def launch(
             cwd,
             [spec.file(r, ".log") for r in range(world_size)],
             timeout,
+            ready=[spec.file(r, ".ready") for r in range(world_size)],
         )
     return [_rank_exit(spec, rank, end) for rank, end in enumerate(ends)]

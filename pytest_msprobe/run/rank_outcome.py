@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pytest_msprobe.options import RANK_TIMEOUT
 from pytest_msprobe.run.launcher import RankExit
+from pytest_msprobe.settings import RANK_STARTUP
 
 
 def _tail(text: str, lines: int) -> list[str]:
@@ -70,8 +71,14 @@ def rank_failure(exits: Sequence[RankExit], nodeid: str, timeout: float) -> tupl
     n = len(exits)
     late = [e for e in exits if e.timed_out]
     if late:
+        # the clock starts once every rank has joined the process group; the start-up has its own limit
+        limit = (
+            f"finish within {timeout:g} s"
+            if all(e.started for e in exits)
+            else f"join the process group within {timeout + RANK_STARTUP:g} s"
+        )
         lines = [
-            f"{_names(late)} of {n} did not finish within {timeout:g} s and "
+            f"{_names(late)} of {n} did not {limit} and "
             f"{'was' if len(late) == 1 else 'were'} stopped (raise {RANK_TIMEOUT.flag} or the marker's "
             f"{RANK_TIMEOUT.marker}=){_others(exits, late)}"
         ]

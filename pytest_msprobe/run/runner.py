@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_msprobe import __version__, options
+from pytest_msprobe import options
 from pytest_msprobe.dump.determinism import SEED_ENV, seed_all
 from pytest_msprobe.errors import (
     BaselineError,
@@ -33,9 +33,10 @@ from pytest_msprobe.errors import (
 )
 from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root
 from pytest_msprobe.run.fit import check_baseline, numbers
-from pytest_msprobe.run.folders import check_apart, claim_folder, clear_folder, is_inside
-from pytest_msprobe.run.settings import SessionSettings, TestSettings
+from pytest_msprobe.run.folders import claim_folder, clear_folder, is_inside
 from pytest_msprobe.run.trend import baseline_steps, check_trend, compare_with_trend, write_trend
+from pytest_msprobe.settings import SessionSettings, TestSettings, check_apart
+from pytest_msprobe.version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -30,7 +30,7 @@ from pytest_msprobe.format.trendfile import write_trend as write
 
 if TYPE_CHECKING:  # pragma: no cover
     from pytest_msprobe.compare.result import CompareResult, TrendResult
-    from pytest_msprobe.run.settings import TestSettings
+    from pytest_msprobe.settings import TestSettings
 
 
 def spans(steps: Iterable[int]) -> str:

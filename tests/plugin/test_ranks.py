@@ -20,7 +20,7 @@ from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.options import resolve_test
 from pytest_msprobe.run.launcher import RankExit, device_shortage, run_processes
 from pytest_msprobe.run.rank_outcome import rank_failure, rank_skip
-from pytest_msprobe.run.settings import DEFAULT_RANK_TIMEOUT
+from pytest_msprobe.settings import DEFAULT_RANK_TIMEOUT
 from tests.processes import children
 
 # A tiny model trained under DDP for two steps, on data that differs per rank; the second F.relu of a forward is
@@ -368,6 +368,28 @@ def test_run_processes_kills_what_ignores_sigterm_after_the_grace(tmp_path: Path
 
 
 @pytest.mark.skipif(os.name != "posix", reason="process groups and signals")
+def test_run_processes_counts_the_timeout_from_when_every_process_is_ready(tmp_path: Path) -> None:
+    # a slow start (rank 1 "imports torch" for 3 s) is not the test's time: the 1 s count from the last ready
+    ready = [tmp_path / "a.ready", tmp_path / "b.ready"]
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+
+    def starter(delay: float, path: Path) -> list[str]:
+        body = (
+            f"import pathlib, time; time.sleep({delay}); pathlib.Path({str(path)!r}).touch(); time.sleep(60)"
+        )
+        return [sys.executable, "-c", body]
+
+    start = time.monotonic()
+    ends = run_processes(
+        [starter(0, ready[0]), starter(3, ready[1])], [dict(os.environ)] * 2, tmp_path, logs, 1, ready=ready
+    )
+    assert all(path.exists() for path in ready)  # neither was stopped while starting
+    assert time.monotonic() - start >= 4  # 3 s of start-up, then the 1 s
+    assert [(end.order, end.timed_out) for end in ends] == [(-1, True), (-1, True)]
+    assert children() == []
+
+
+@pytest.mark.skipif(os.name != "posix", reason="process groups and signals")
 def test_run_processes_reaps_every_process_on_keyboard_interrupt(tmp_path: Path) -> None:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -430,6 +452,12 @@ def _exit(rank: int, status: int = 0, order: int = 0, outcome: str = "passed", *
             0,
             "rank 0 of 2 did not finish within 5 s and was stopped (raise --msprobe-rank-timeout or the "
             "marker's rank_timeout=); rank 1 passed",
+        ),
+        (  # stuck before the process group (the clock had not started): the start-up's own limit
+            [_exit(0, -9, -1, "", timed_out=True, started=False), _exit(1, -9, -1, "", timed_out=True)],
+            0,
+            "ranks 0, 1 of 2 did not join the process group within 305 s and were stopped (raise "
+            "--msprobe-rank-timeout or the marker's rank_timeout=)",
         ),
     ],
 )

@@ -2,6 +2,8 @@
 
 The values come from :mod:`pytest_msprobe.options`, which resolves them (command line > marker > ini > default)
 and calls the checks below with where each value was given, so that a bad one raises ConfigError quoting both.
+Like the options, this module stands on the ground floor: it imports only the errors and the thresholds' data,
+so that the run, the reports and the plugin all read it and it reads none of them.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import argparse
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pytest_msprobe.compare.thresholds import (
     DEFAULT_DTYPE_TOLERANCES,
@@ -21,11 +24,18 @@ from pytest_msprobe.compare.thresholds import (
     parse_share,
 )
 from pytest_msprobe.errors import ConfigError
-from pytest_msprobe.run.device import DEVICE_CHOICES
 
-# seconds the rank processes of a multi-rank test may take, start-up included: a collective that one rank never
+_N = TypeVar("_N", int, float)
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # what --msprobe-device takes (run.device picks one)
+
+# seconds the rank processes of a multi-rank test may take once they have all joined the process group (their
+# start-up has a limit of its own, RANK_STARTUP): a collective that one rank never
 # joins hangs the others for good, and a CI job should fail long before its own limit kills everything
 DEFAULT_RANK_TIMEOUT = 600.0
+# seconds a rank's start-up (Python, torch, the conftest files, joining the process group) may take beyond the
+# rank timeout; the process group's own timeout is as long, so that a collective never gives up before the
+# launcher stops a hung rank
+RANK_STARTUP = 300.0
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,7 @@ class TestSettings:
     max_dump_size: int | None = None  # bytes of tensor files the test's dump may take (None: no limit)
     world_size: int = 1  # > 1: the test body runs in that many rank processes under torch.distributed
     backend: str | None = None  # torch.distributed backend of the ranks; None: by device (gloo, nccl, hccl)
-    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds the rank processes may take, start-up included
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT  # seconds the rank processes may take once all have started
     self_check: bool = False  # replay each API call in float64 and fail on one whose own error is out of line
     checklist_env: tuple[str, ...] = ()  # environment variables the checklist records beyond its own list
     trend_steps: int | None = None  # record and compare the loss and gradient norms of steps 0..N-1
@@ -133,13 +143,19 @@ def check_steps(value: Any, where: str) -> tuple[int, ...]:
     return steps
 
 
-def check_seed(value: Any, where: str) -> int:
+def _number(value: Any, parse: Callable[[Any], _N], where: str, expected: str) -> _N:
+    """``parse(value)``, or ConfigError saying what was ``expected``: a bool is no number, though Python's
+    int() and float() take one."""
     try:
         if isinstance(value, bool):
             raise ValueError
-        seed = int(value)
+        return parse(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: seed must be an integer, got {value!r}") from None
+        raise ConfigError(f"{where}: {expected}, got {value!r}") from None
+
+
+def check_seed(value: Any, where: str) -> int:
+    seed = _number(value, int, where, "seed must be an integer")
     if not 0 <= seed < 2**32:
         raise ConfigError(f"{where}: seed must be in [0, 2**32), got {value!r}")
     return seed
@@ -164,41 +180,41 @@ def check_backend(value: Any, where: str) -> str | None:
 def check_trend_steps(value: Any, where: str) -> int | None:
     if value is None:
         return None
-    try:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError
-        steps = int(value.strip()) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: trend_steps must be a whole number >= 1, got {value!r}") from None
+    expected = "trend_steps must be a whole number >= 1"
+    if isinstance(value, float) and not value.is_integer():
+        raise ConfigError(f"{where}: {expected}, got {value!r}")
+    steps = _number(value.strip() if isinstance(value, str) else value, int, where, expected)
     if steps < 1:
-        raise ConfigError(f"{where}: trend_steps must be a whole number >= 1, got {value!r}")
+        raise ConfigError(f"{where}: {expected}, got {value!r}")
     return steps
 
 
 def check_trend_rtol(value: Any, where: str) -> float | None:
     if value is None:
         return None
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        rtol = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: trend_rtol must be a number >= 0, got {value!r}") from None
+    rtol = _number(value, float, where, "trend_rtol must be a number >= 0")
     if not rtol >= 0 or math.isinf(rtol):
         raise ConfigError(f"{where}: trend_rtol must be a number >= 0, got {value!r}")
     return rtol
 
 
 def check_seconds(value: Any, where: str) -> float:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected a number of seconds, got {value!r}") from None
+    seconds = _number(value, float, where, "expected a number of seconds")
     if not seconds > 0 or seconds == float("inf"):
         raise ConfigError(f"{where}: expected a positive number of seconds, got {value!r}")
     return seconds
+
+
+def check_apart(output: Path, baseline: Path, what: str = "the output folder", flag: str | None = "") -> None:
+    """Refuse an output folder that is, holds or lies inside a baseline folder: a run clears its output
+    folders, and would delete the baselines it is meant to compare with. ``flag`` is the option that moves it."""
+    out, base = Path(os.path.realpath(output)), Path(os.path.realpath(baseline))
+    if out == base or out.is_relative_to(base) or base.is_relative_to(out):
+        relation = "is" if out == base else "lies inside" if out.is_relative_to(base) else "holds"
+        raise ConfigError(
+            f"{what} {output} {relation} the baseline folder {baseline}: the run would delete baselines; "
+            f"give {flag} a folder of its own"
+        )
 
 
 # the threshold options' command-line text, as argparse's ``type=`` reads it (and the plugin reads ini lines and
