@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe import settings
-from pytest_msprobe.compare.thresholds import FLOATING, ApiRule, Thresholds, Tolerance, load_thresholds_file
+from pytest_msprobe.compare.thresholds import (
+    FLOATING,
+    ApiRule,
+    Thresholds,
+    Tolerance,
+    load_thresholds_file,
+    warning_of,
+)
 from pytest_msprobe.dump.config import LEVELS, TASKS, parse_size
 from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.settings import (
@@ -445,10 +452,12 @@ def _thresholds(layers: Layers, ini_dir: Path) -> Thresholds:
                     for opt in (RTOL, WARN_RTOL, ATOL)
                 )
                 error = tol.error if rtol is None else rtol
-                warning = warn if warn is not None else (rtol / 10 if rtol is not None else tol.warning)
+                warning = (
+                    warn if warn is not None else (warning_of(rtol) if rtol is not None else tol.warning)
+                )
                 tol = Tolerance(error, min(warning, error), tol.atol if atol is None else atol)
             for value in own:  # within its layer a dtype's own tolerance beats the global one
-                tol = Tolerance(value, value / 10, tol.atol)
+                tol = Tolerance(value, warning_of(value), tol.atol)
             if glob or own:
                 dtypes[dtype] = tol
                 break
