@@ -106,6 +106,25 @@ def is_dump_root(path: Path) -> bool:
         return False
 
 
+def root_holding(root: Path, nodeid: str, limit: int = 200) -> Path | None:
+    """Another baseline root near ``root`` under which the test ``nodeid`` has its baseline, or None.
+
+    A root given one level too deep (``baselines/cpu/examples`` for ``baselines/cpu``) or too high (``baselines``
+    for ``baselines/cpu``) makes every test miss its baseline while it sits a folder away: the folders above
+    ``root`` and the folders just inside it (at most ``limit`` of them) are tried in that order.
+    """
+    rel = baseline_folder(nodeid)
+    root = Path(os.path.abspath(root))
+    for above in root.parents:
+        if is_dump_root(above / rel):
+            return above
+    try:
+        inside = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))[:limit]
+    except OSError:
+        return None
+    return next((folder for folder in inside if is_dump_root(folder / rel)), None)
+
+
 def dump_root_above(path: Path) -> Path | None:
     """The nearest folder at or above ``path`` (links followed) that is a dump root, a baseline's or a dump's;
     None when there is none: what is written there must not be written into a baseline."""

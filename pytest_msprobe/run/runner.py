@@ -31,7 +31,7 @@ from pytest_msprobe.errors import (
     DumpSizeError,
     MsprobeError,
 )
-from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root
+from pytest_msprobe.run.baseline import BaselineStore, Manifest, baseline_folder, is_dump_root, root_holding
 from pytest_msprobe.run.fit import check_baseline, numbers
 from pytest_msprobe.run.folders import claim_folder, clear_folder, is_inside
 from pytest_msprobe.run.trend import baseline_steps, check_trend, compare_with_trend, write_trend
@@ -395,9 +395,15 @@ class MsprobeRun:
 
         with self.store.reading(self.nodeid) as baseline:
             if not is_dump_root(baseline):
+                found = root_holding(self.store.root, self.nodeid)
+                elsewhere = (
+                    f"\nits baseline is under {found}: did you mean {options.BASELINE.flag}={found}?"
+                    if found
+                    else ""
+                )
                 return Outcome(
                     MISSING,
-                    f"no baseline for this test at {baseline}\n"
+                    f"no baseline for this test at {baseline}{elsewhere}\n"
                     f"create it on the reference device with: {self.regen_command()}",
                     baseline=baseline,
                 )

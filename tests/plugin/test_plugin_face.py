@@ -114,6 +114,29 @@ def test_one_tests_own_baseline_folder_as_the_root_names_the_root(
     pytester.runpytest(*BASE, "--msprobe-baseline=bl").assert_outcomes(passed=1)
 
 
+def test_a_root_one_folder_off_names_the_root_that_holds_the_tests_baseline(
+    pytester: pytest.Pytester, train_test
+) -> None:
+    """A root given a folder too deep or too high: the missing baseline's message names the root that holds it."""
+    train_test()
+    pytester.runpytest(*BASE, "--msprobe-baseline=bl/cpu", "--msprobe-regen-baseline").assert_outcomes(
+        passed=1
+    )
+    right = pytester.path / "bl" / "cpu"
+    for off in ("bl", "bl/cpu/test_train"):  # too high; too deep (the test file's folder inside the root)
+        result = pytester.runpytest(*BASE, f"--msprobe-baseline={off}")
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines(
+            [f"*its baseline is under {right}: did you mean --msprobe-baseline={right}?*"]
+        )
+    # a root near none: no guess
+    (pytester.path / "other").mkdir()
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=other")
+    result.assert_outcomes(failed=1)
+    assert "its baseline is under" not in result.stdout.str()
+    pytester.runpytest(*BASE, "--msprobe-baseline=bl/cpu").assert_outcomes(passed=1)
+
+
 # -- the marker ---------------------------------------------------------------------------------------------------
 MISUSED = """
 import pytest
