@@ -1,5 +1,6 @@
 """The documentation stays whole: every page is in the site's navigation and every navigation entry is a page,
-the options page lists every option where it may be given, and the READMEs link to files that exist.
+the options page lists every option where it may be given, the READMEs link to files that exist, and the
+README's first test runs as it is written.
 
 Cheap checks that need no mkdocs (CI builds the site itself with ``mkdocs build --strict``)."""
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
+
+import pytest
 
 from pytest_msprobe.options import OPTIONS
 
@@ -96,3 +99,16 @@ def test_getting_started_shows_the_readme_set_up_commands() -> None:
     assert any("download.pytorch.org/whl/cpu" in line for line in commands)
     for command in commands:
         assert command in guide, f"docs/getting-started.md lacks the README's command: {command}"
+
+
+def test_the_readmes_first_test_runs_as_it_is(pytester: pytest.Pytester) -> None:
+    """The README's first test, copied as a newcomer would, writes its baseline and then compares green."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"```python\n(# (test_\w+)\.py[^\n]*\n.*?)```", text, re.S)
+    assert match, "the README has no first test starting '# test_<name>.py'"
+    source, name = match.group(1), match.group(2)
+    pytester.makepyfile(**{name: source})
+    args = ["-p", "no:cacheprovider", "-p", "no:randomly", f"{name}.py", "--msprobe-baseline=baselines"]
+    pytester.runpytest_subprocess(*args, "--msprobe-regen-baseline").assert_outcomes(passed=1)
+    assert (pytester.path / "baselines" / name).is_dir()
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)
