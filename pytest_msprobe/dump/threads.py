@@ -86,28 +86,18 @@ class _ForeignThread:
     def api_call(
         self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        return self.relay(api, orig, args, kwargs, collective=False)
+        recorder = self.owner()
+        if recorder is None:
+            return orig(*args, **kwargs)
+        return recorder.api_call(api, orig, args, kwargs)
 
     def dist_call(
         self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        return self.relay(api, orig, args, kwargs, collective=True)
-
-    def relay(
-        self,
-        api: str,
-        orig: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        collective: bool,
-    ) -> Any:
-        """A call to the recorder owning the backward pass this thread runs a node of, else straight through."""
         recorder = self.owner()
         if recorder is None:
             return orig(*args, **kwargs)
-        if collective:
-            return recorder.dist_call(api, orig, args, kwargs)
-        return recorder.api_call(api, orig, args, kwargs)
+        return recorder.dist_call(api, orig, args, kwargs)
 
     def work_waited(self, work: Any) -> None:  # pragma: no cover - dist_pending is always empty
         pass
