@@ -318,7 +318,8 @@ def launch(
     """
     shutil.rmtree(workdir, ignore_errors=True)  # no result file of an earlier launch may pass for this one's
     workdir.mkdir(parents=True, exist_ok=True)
-    with _store(timeout + RANK_STARTUP) as store:
+    group_timeout = timeout + RANK_STARTUP  # the launcher stops a hung rank before the process group gives up
+    with _store(group_timeout) as store:
         spec = RankSpec(
             nodeid=nodeid,
             path=str(path),
@@ -326,7 +327,7 @@ def launch(
             backend=backend,
             master_addr=MASTER_ADDR,
             master_port=int(store.port),
-            timeout=timeout + RANK_STARTUP,
+            timeout=group_timeout,
             workdir=str(workdir),
             dump_dir=str(dump_dir),
             sys_path=tuple(sys.path),
