@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_msprobe.compare.result import ENTERS, INCONSISTENT, OUT_OF_LINE
+from pytest_msprobe.compare.diagnosis import ENTERS, INCONSISTENT, OUT_OF_LINE
 from pytest_msprobe.compare.run import compare
 
 pytestmark = pytest.mark.slow  # the example run on two simulated devices, in subprocesses

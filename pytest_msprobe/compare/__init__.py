@@ -14,8 +14,10 @@ and ``run`` (the entry point).
 
 from __future__ import annotations
 
+from pytest_msprobe.compare.diagnosis import Divergence
 from pytest_msprobe.compare.dumps import DumpCheck, validate
-from pytest_msprobe.compare.result import ApiResult, CompareResult, Divergence, RowResult
+from pytest_msprobe.compare.judging import ApiResult, RowResult
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.compare.run import compare
 from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from pytest_msprobe.compare import judging
 from pytest_msprobe.compare.alignment import (
     DISTRIBUTED,
     Alignment,
@@ -29,18 +30,9 @@ from pytest_msprobe.compare.judging import (
     UNMATCHED,
     WARNING,
     ApiResult,
-    Check,
     DumpPair,
     RowResult,
     TensorMetrics,
-    amend,
-    carried_dtype,
-    check_kinds,
-    check_md5,
-    check_statistics,
-    check_tensors,
-    check_unmatched,
-    finish,
     worst,
 )
 from pytest_msprobe.compare.thresholds import Thresholds, Tolerance
@@ -66,7 +58,7 @@ class Draft:
     role: str
     target: Leaf | None
     baseline: Leaf | None
-    check: Check | None = None
+    check: judging.Check | None = None
     task: tuple[TensorRef, TensorRef] | None = None  # tensor files to compare
     skip: bool = False
     api: str = ""
@@ -212,7 +204,7 @@ class Builder:
             for leaf in main.leaves:
                 tl, bl = (leaf, None) if te is not None else (None, leaf)
                 draft = Draft(leaf.name, None if bl is None else leaf.name, api_index, leaf.role, tl, bl)
-                draft.check = check_unmatched(tl, bl)
+                draft.check = judging.check_unmatched(tl, bl)
                 draft.api = main.name
                 self.drafts.append(draft)
         else:
@@ -265,15 +257,15 @@ class Builder:
         )
         self.drafts.append(draft)
         if tl is None or bl is None:
-            draft.check = check_unmatched(tl, bl)
+            draft.check = judging.check_unmatched(tl, bl)
             return
-        kinds = check_kinds(tl, bl)
+        kinds = judging.check_kinds(tl, bl)
         if kinds is not None:
             draft.check = kinds
             return
         tol, draft.skip = self._tolerance(tl, bl, t_api, draft.row, statistics=True)
         if mode == "md5":
-            draft.check = finish(check_md5(tl, bl, tol), draft.skip, t_api)
+            draft.check = judging.finish(judging.check_md5(tl, bl, tol), draft.skip, t_api)
         elif mode == "tensor" and tl.data_name and bl.data_name and tl.shape == bl.shape:
             draft.task = (
                 TensorRef(str(tensor_path(t, tl.data_name)), tl.dtype, tl.shape),
@@ -281,10 +273,10 @@ class Builder:
             )
             self.tasks.append(len(self.drafts) - 1)
         else:
-            check = check_statistics(tl, bl, tol)
+            check = judging.check_statistics(tl, bl, tol)
             if mode == "tensor" and tl.shape == bl.shape:
-                check = amend(check, "no tensor file on one side: statistics compared")
-            draft.check = finish(check, draft.skip, t_api)
+                check = judging.amend(check, "no tensor file on one side: statistics compared")
+            draft.check = judging.finish(check, draft.skip, t_api)
 
     def _link(self, first_api: int) -> None:
         """Backward calls read their forward call's tensors; parameters_grad runs with its module's backward."""
@@ -332,7 +324,7 @@ class Builder:
         """A row's tolerance, and whether it is skipped. The baseline's dtype sets it: the target must reproduce
         the baseline to its precision; a float32 tensor whose values a half type made, to the looser of the two."""
         tol, skip = self.thresholds.tolerance(baseline.dtype, api, row, statistics=statistics)
-        carried = carried_dtype(target, baseline)
+        carried = judging.carried_dtype(target, baseline)
         if carried is not None:
             tol = tol.looser(self.thresholds.tolerance(carried, api, row, statistics=statistics)[0])
         return tol, skip
@@ -344,8 +336,10 @@ class Builder:
             draft = self.drafts[i]
             assert draft.target is not None and draft.baseline is not None
             tol, _ = self._tolerance(draft.target, draft.baseline, draft.api, draft.row)
-            check = check_tensors(draft.target, draft.baseline, outcome, tol, self.thresholds.msprobe_rule)
-            draft.check = finish(check, draft.skip, draft.api)
+            check = judging.check_tensors(
+                draft.target, draft.baseline, outcome, tol, self.thresholds.msprobe_rule
+            )
+            draft.check = judging.finish(check, draft.skip, draft.api)
             draft.task = None
         self.tasks.clear()
 

@@ -12,158 +12,28 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msprobe.compare import frame
-from pytest_msprobe.compare.alignment import (
-    UNMATCHED_CAUSES,
-    Coverage,
-    PairCoverage,
-    collective_op,
-    unmatched_share,
-)
+from pytest_msprobe.compare import frame, judging
+from pytest_msprobe.compare.alignment import Coverage, collective_op
 from pytest_msprobe.compare.checklist import SETTING, ChecklistResult, Difference
 from pytest_msprobe.compare.diagnosis import (
-    BUFFER_SOURCE,
-    DATA_SOURCE,
     ENTERS,
-    GROWS,
     INCONSISTENT,
-    INHERITED,
     OUT_OF_LINE,
     OVERFLOW,
-    PARAMETER_SOURCE,
     ROUNDING,
-    RULES,
-    SOURCE,
-    SOURCE_KINDS,
-    STRUCTURAL,
-    UNRECORDED_SOURCE,
     AcrossDevices,
     Divergence,
 )
-from pytest_msprobe.compare.dumps import (
-    OPTIMIZER_MODULE,
-    OUTPUT,
-    OUTSIDE_MODULES,
-    UNKNOWN_MODULE,
-    Leaf,
-    Modules,
-)
+from pytest_msprobe.compare.dumps import OUTPUT, Leaf, Modules
 from pytest_msprobe.compare.judging import (
-    DTYPE,
     ERROR,
-    NONFINITE,
-    OVERFLOW_INPUT,
-    OVERFLOW_OUTPUT,
-    OVERFLOW_PARAMETER,
-    OVERFLOW_PLACES,
-    PASS,
-    SHAPE,
-    SKIPPED,
-    STAT_NAMES,
     STATUSES,
-    UNMATCHED,
-    UNUSABLE,
-    WARNING,
     ApiResult,
-    DumpPair,
-    Overflow,
-    OwnErrorVerdict,
     RowResult,
-    RowSide,
-    SelfCheckCall,
-    SelfCheckResult,
-    StatMetrics,
-    TensorMetrics,
-    fmt_number,
-    is_mask_fill,
-    is_none,
     is_tensor,
-    row_metric,
-    shape_differs,
-    worst,
 )
-from pytest_msprobe.compare.thresholds import Thresholds, is_integral, normalize_dtype
-from pytest_msprobe.compare.trend import GRAD_NORM, LOSS, TrendResult, TrendRow, tolerance_text
-
-# the reports read every type of the compare here (report/ imports this module only)
-__all__ = [
-    "BUFFER_SOURCE",
-    "CAUSES",
-    "CAUSE_CALL",
-    "CAUSE_CHECKLIST",
-    "CAUSE_COVERAGE",
-    "CAUSE_MISSING",
-    "CAUSE_OVERFLOW",
-    "CAUSE_SETTING",
-    "CAUSE_TREND",
-    "DATA_SOURCE",
-    "DTYPE",
-    "ENTERS",
-    "ERROR",
-    "GRAD_NORM",
-    "GROWS",
-    "INCONSISTENT",
-    "INHERITED",
-    "LOSS",
-    "NONFINITE",
-    "OPTIMIZER_MODULE",
-    "OUTSIDE_MODULES",
-    "OUT_OF_LINE",
-    "OVERFLOW",
-    "OVERFLOW_INPUT",
-    "OVERFLOW_OUTPUT",
-    "OVERFLOW_PARAMETER",
-    "OVERFLOW_PLACES",
-    "PARAMETER_SOURCE",
-    "PASS",
-    "ROUNDING",
-    "RULES",
-    "SETTING",
-    "SHAPE",
-    "SKIPPED",
-    "SOURCE",
-    "SOURCE_KINDS",
-    "STATUSES",
-    "STAT_NAMES",
-    "STRUCTURAL",
-    "UNKNOWN_MODULE",
-    "UNMATCHED",
-    "UNMATCHED_CAUSES",
-    "UNRECORDED_SOURCE",
-    "UNUSABLE",
-    "WARNING",
-    "AcrossDevices",
-    "ApiResult",
-    "CompareResult",
-    "Coverage",
-    "Divergence",
-    "DumpPair",
-    "Modules",
-    "Overflow",
-    "OwnErrorVerdict",
-    "PairCoverage",
-    "RowResult",
-    "RowSide",
-    "SelfCheckCall",
-    "SelfCheckResult",
-    "StatMetrics",
-    "TensorMetrics",
-    "TrendResult",
-    "TrendRow",
-    "Verdict",
-    "collective",
-    "fmt_number",
-    "is_integral",
-    "is_mask_fill",
-    "is_none",
-    "is_tensor",
-    "normalize_dtype",
-    "row_metric",
-    "shape_differs",
-    "tolerance_text",
-    "unmatched_share",
-    "worst",
-]
+from pytest_msprobe.compare.thresholds import Thresholds
+from pytest_msprobe.compare.trend import TrendResult
 
 # what comes first in a compare (Verdict.cause): a checklist difference (a numerics setting, or data, weights,
 # hyperparameters, structure), else the first divergence among the calls (an overflow, or another call), else
@@ -212,7 +82,7 @@ class CompareResult:
     rows: tuple[RowResult, ...]
     apis: tuple[ApiResult, ...]
     first_divergence: Divergence | None
-    pairs: tuple[DumpPair, ...]
+    pairs: tuple[judging.DumpPair, ...]
     unpaired: tuple[str, ...]  # dumps (step/rank) present on one side only
     thresholds: Thresholds
     timestamp: str  # YYYYmmddHHMMSS, names the report files
@@ -222,10 +92,12 @@ class CompareResult:
     # stack may differ between steps (an optimizer's first step has no momentum buffer yet)
     pair_stacks: tuple[dict[str, tuple[str, ...]], ...] = ()
     missing: tuple[str, ...] = ()  # the unpaired dumps that only the baseline has: they fail the compare
-    own: dict[int, OwnErrorVerdict] = field(default_factory=dict)  # apis index -> own errors, where there are
+    own: dict[int, judging.OwnErrorVerdict] = field(
+        default_factory=dict
+    )  # apis index -> own errors, where there are
     self_check: bool = False  # whether an out-of-line call fails the compare (the self-check was asked for)
     checklist: ChecklistResult | None = None  # what differs before any call: data, weights, settings
-    overflow: Overflow | None = (
+    overflow: judging.Overflow | None = (
         None  # the first call that overflows on the target only (it fails the compare)
     )
     trend: TrendResult | None = None  # the trend over many steps, where the test records one
@@ -458,7 +330,7 @@ class CompareResult:
         ]
 
 
-def _record(side: RowSide) -> Leaf | None:
+def _record(side: judging.RowSide) -> Leaf | None:
     """A tensor's record without what names its place (row name, role, file): what it holds; None for a
     record that holds nothing to tell two tensors apart by (no statistics, no CRC) and for other items."""
     if not is_tensor(side) or all(v is None for v in (*side.stats, side.md5)):

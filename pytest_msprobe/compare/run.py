@@ -16,11 +16,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.compare.alignment import align
+from pytest_msprobe.compare.alignment import Coverage, PairCoverage, align
 from pytest_msprobe.compare.build import Builder
 from pytest_msprobe.compare.checklist import compare_checklists, compared_calls, from_records
 from pytest_msprobe.compare.diagnosis import first_divergence, judge_across
-from pytest_msprobe.compare.dumps import OUTPUT, Dump, place_calls, plan_updates, read_dump, read_stack
+from pytest_msprobe.compare.dumps import (
+    OUTPUT,
+    Dump,
+    Modules,
+    place_calls,
+    plan_updates,
+    read_dump,
+    read_stack,
+)
 from pytest_msprobe.compare.explain import (
     below_measure,
     explain_in_place,
@@ -30,7 +38,14 @@ from pytest_msprobe.compare.explain import (
     explain_structural,
 )
 from pytest_msprobe.compare.judging import (
+    ERROR,
     NO_OWN_ERRORS,
+    NONFINITE,
+    UNMATCHED,
+    ApiResult,
+    DumpPair,
+    Overflow,
+    RowResult,
     broken,
     compare_overflow,
     load_own_errors,
@@ -38,19 +53,7 @@ from pytest_msprobe.compare.judging import (
     replay_wanted,
 )
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
-from pytest_msprobe.compare.result import (
-    ERROR,
-    NONFINITE,
-    UNMATCHED,
-    ApiResult,
-    CompareResult,
-    Coverage,
-    DumpPair,
-    Modules,
-    Overflow,
-    PairCoverage,
-    RowResult,
-)
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import ConfigError, DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import DumpLocation, discover

@@ -87,17 +87,13 @@ class _ForeignThread:
         self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         recorder = self.owner()
-        if recorder is None:
-            return orig(*args, **kwargs)
-        return recorder.api_call(api, orig, args, kwargs)
+        return orig(*args, **kwargs) if recorder is None else recorder.api_call(api, orig, args, kwargs)
 
     def dist_call(
         self, api: str, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         recorder = self.owner()
-        if recorder is None:
-            return orig(*args, **kwargs)
-        return recorder.dist_call(api, orig, args, kwargs)
+        return orig(*args, **kwargs) if recorder is None else recorder.dist_call(api, orig, args, kwargs)
 
     def work_waited(self, work: Any) -> None:  # pragma: no cover - dist_pending is always empty
         pass

@@ -14,7 +14,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from pytest_msprobe.compare.result import CompareResult, SelfCheckResult
+from pytest_msprobe.compare.judging import SelfCheckResult
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.errors import ReportError
 from pytest_msprobe.format.files import atomic_path, write_text
 from pytest_msprobe.report.advisor import advisor_text

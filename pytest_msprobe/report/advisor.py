@@ -10,28 +10,22 @@ from __future__ import annotations
 import math
 import re
 
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.alignment import UNMATCHED_CAUSES, unmatched_share
+from pytest_msprobe.compare.diagnosis import (
     BUFFER_SOURCE,
     DATA_SOURCE,
-    ERROR,
     INCONSISTENT,
     OUT_OF_LINE,
-    OUTPUT,
     OVERFLOW,
     PARAMETER_SOURCE,
     ROUNDING,
     SOURCE,
-    UNMATCHED_CAUSES,
     UNRECORDED_SOURCE,
-    ApiResult,
-    CompareResult,
     Divergence,
-    collective,
-    is_mask_fill,
-    is_tensor,
-    shape_differs,
-    unmatched_share,
 )
+from pytest_msprobe.compare.dumps import OUTPUT
+from pytest_msprobe.compare.judging import ERROR, ApiResult, is_mask_fill, is_tensor, shape_differs
+from pytest_msprobe.compare.result import CompareResult, collective
 from pytest_msprobe.report.guide import CHECKLIST_NEXT, checklist_lines, next_steps, trend_advice
 from pytest_msprobe.report.text import api_site, first_unmatched_text
 

@@ -4,7 +4,8 @@ and the suspect's tensors."""
 
 from __future__ import annotations
 
-from pytest_msprobe.compare.result import CompareResult, Divergence
+from pytest_msprobe.compare.diagnosis import Divergence
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.format.names import scope_key
 from pytest_msprobe.options import ALLOW_TF32
 

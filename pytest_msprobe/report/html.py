@@ -14,7 +14,9 @@ import io
 import math
 from typing import Any
 
-from pytest_msprobe.compare.result import ERROR, CompareResult, TrendResult
+from pytest_msprobe.compare.judging import ERROR
+from pytest_msprobe.compare.result import CompareResult
+from pytest_msprobe.compare.trend import TrendResult
 from pytest_msprobe.report.links import Links
 from pytest_msprobe.report.self_check import own_error_html
 from pytest_msprobe.report.text import divergence_site, place, row_what

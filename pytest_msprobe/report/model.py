@@ -19,14 +19,9 @@ import json
 import math
 from typing import Any
 
-from pytest_msprobe.compare.result import (
-    PASS,
-    STATUSES,
-    UNKNOWN_MODULE,
-    CompareResult,
-    fmt_number,
-    row_metric,
-)
+from pytest_msprobe.compare.dumps import UNKNOWN_MODULE
+from pytest_msprobe.compare.judging import PASS, STATUSES, fmt_number, row_metric
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.report.html import api_ratios
 
 MAX_ROWS = 100_000  # rows embedded; beyond it only the rows of calls that do not pass

@@ -28,19 +28,19 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.judging import (
     ERROR,
     PASS,
     SKIPPED,
     UNMATCHED,
     WARNING,
-    CompareResult,
     RowResult,
     RowSide,
-    is_integral,
     is_none,
     is_tensor,
 )
+from pytest_msprobe.compare.result import CompareResult
+from pytest_msprobe.compare.thresholds import is_integral
 from pytest_msprobe.report.table import (
     MSPROBE_COLUMNS,
     NA,

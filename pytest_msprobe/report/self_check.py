@@ -13,11 +13,8 @@ import io
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pytest_msprobe.compare.result import (
-    CompareResult,
-    OwnErrorVerdict,
-    SelfCheckResult,
-)
+from pytest_msprobe.compare.judging import OwnErrorVerdict, SelfCheckResult
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.format.own_errors import OwnError
 from pytest_msprobe.report.xlsx import PLAIN, RED, Sheet
 

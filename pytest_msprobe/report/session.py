@@ -20,7 +20,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pytest_msprobe.compare.result import CompareResult, SelfCheckResult
+from pytest_msprobe.compare.judging import SelfCheckResult
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.errors import ReportError
 from pytest_msprobe.format.files import atomic_path, write_text
 from pytest_msprobe.report.html import REPORT_LABELS

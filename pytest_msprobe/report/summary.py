@@ -6,7 +6,8 @@ import json
 import math
 from typing import Any
 
-from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Overflow
+from pytest_msprobe.compare.judging import ERROR, ApiResult, Overflow
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.report.self_check import self_check_dict
 
 

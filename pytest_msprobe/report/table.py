@@ -15,18 +15,18 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.judging import (
     ERROR,
     SHAPE,
     UNMATCHED,
     WARNING,
-    CompareResult,
     RowResult,
     RowSide,
-    is_integral,
     is_none,
     is_tensor,
 )
+from pytest_msprobe.compare.result import CompareResult
+from pytest_msprobe.compare.thresholds import is_integral
 from pytest_msprobe.report.xlsx import BOLD_RED, GREY, PLAIN, RED, YELLOW, Sheet
 
 BASE_COLUMNS = (

@@ -16,19 +16,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pytest_msprobe.compare.result import (
-    SETTING,
-    UNMATCHED_CAUSES,
-    CompareResult,
-    Divergence,
-    RowResult,
-    SelfCheckResult,
-    fmt_number,
-    is_tensor,
-    normalize_dtype,
-    row_metric,
-    unmatched_share,
-)
+from pytest_msprobe.compare.alignment import UNMATCHED_CAUSES, unmatched_share
+from pytest_msprobe.compare.checklist import SETTING
+from pytest_msprobe.compare.diagnosis import Divergence
+from pytest_msprobe.compare.judging import RowResult, SelfCheckResult, fmt_number, is_tensor, row_metric
+from pytest_msprobe.compare.result import CompareResult
+from pytest_msprobe.compare.thresholds import normalize_dtype
 from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.options import BY_NAME
 from pytest_msprobe.report.self_check import own_error_line

@@ -41,7 +41,8 @@ from pytest_msprobe.version import __version__
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from pytest_msprobe.compare.result import CompareResult, SelfCheckResult
+    from pytest_msprobe.compare.judging import SelfCheckResult
+    from pytest_msprobe.compare.result import CompareResult
 
 # outcome kinds
 INACTIVE, REGENERATED, PASSED, FAILED, MISSING = "inactive", "regenerated", "passed", "failed", "missing"

@@ -29,7 +29,8 @@ from pytest_msprobe.format.trendfile import (
 from pytest_msprobe.format.trendfile import write_trend as write
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pytest_msprobe.compare.result import CompareResult, TrendResult
+    from pytest_msprobe.compare.result import CompareResult
+    from pytest_msprobe.compare.trend import TrendResult
     from pytest_msprobe.settings import TestSettings
 
 

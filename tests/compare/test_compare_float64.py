@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 from model_dumps import float64_matmul, perturb
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.result import ERROR, PASS, WARNING
+from pytest_msprobe.compare.judging import ERROR, PASS, WARNING
 
 # d=64, 3 layers, seed 2: Adam's update of one weight element whose gradient is rounding noise differs by 2.6e-5
 # (4e-4 of the weight's range) between float32 and float64 matmuls; the weight and what it feeds differ from

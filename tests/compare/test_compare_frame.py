@@ -11,7 +11,7 @@ from compare_helpers import dump_dir
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.frame import ROW_COLUMNS
-from pytest_msprobe.compare.result import ERROR
+from pytest_msprobe.compare.judging import ERROR
 
 
 @pytest.mark.parametrize("kind", ["stat_L1", "tensor_L1"])

@@ -13,7 +13,8 @@ import pytest
 from compare_helpers import VERSIONS, copy_dump, dump_dir, insert_call, perturb_statistics, rank_dir
 
 from pytest_msprobe.compare import Thresholds, compare
-from pytest_msprobe.compare.result import ERROR, PASS, SKIPPED, UNMATCHED, WARNING, CompareResult
+from pytest_msprobe.compare.judging import ERROR, PASS, SKIPPED, UNMATCHED, WARNING
+from pytest_msprobe.compare.result import CompareResult
 
 RELU = "Functional.relu.2.forward"
 RELU_ROW = "Functional.relu.2.forward.output.0"

@@ -14,7 +14,8 @@ pytest.importorskip("torch")
 from model_dumps import perturb
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.result import UNMATCHED, CompareResult
+from pytest_msprobe.compare.judging import UNMATCHED
+from pytest_msprobe.compare.result import CompareResult
 
 
 def pairing(result: CompareResult, step: int) -> dict[str, str | None]:

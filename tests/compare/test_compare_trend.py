@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytest_msprobe.compare.result import GRAD_NORM, LOSS
+from pytest_msprobe.compare.trend import GRAD_NORM, LOSS
 from pytest_msprobe.compare.trend.compare import compare_trend, relative_difference, spikes, trend_rtol
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.trendfile import TrendData, TrendStep, read_trend, read_trends, write_trend

@@ -13,16 +13,7 @@ from compare_helpers import tensor, write_dump
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.diagnosis import first_divergence
 from pytest_msprobe.compare.dumps.records import OUTPUT, Leaf, flatten_entry
-from pytest_msprobe.compare.judging import tensor_metrics
-from pytest_msprobe.compare.judging.judge import (
-    Check,
-    check_kinds,
-    check_md5,
-    check_statistics,
-    check_tensors,
-    msprobe_accuracy,
-)
-from pytest_msprobe.compare.result import (
+from pytest_msprobe.compare.judging import (
     ERROR,
     PASS,
     SKIPPED,
@@ -31,6 +22,15 @@ from pytest_msprobe.compare.result import (
     ApiResult,
     RowResult,
     row_metric,
+    tensor_metrics,
+)
+from pytest_msprobe.compare.judging.judge import (
+    Check,
+    check_kinds,
+    check_md5,
+    check_statistics,
+    check_tensors,
+    msprobe_accuracy,
 )
 from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
 

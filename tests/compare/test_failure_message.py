@@ -11,7 +11,8 @@ import pytest
 from compare_helpers import dump_dir, tensor
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.result import CompareResult, RowResult
+from pytest_msprobe.compare.judging import RowResult
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.report.text import failure_message
 
 

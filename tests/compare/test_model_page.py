@@ -14,7 +14,8 @@ from compare_helpers import dump_dir, rank_dir
 
 import pytest_msprobe.report.model as model_page
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.result import PASS, CompareResult
+from pytest_msprobe.compare.judging import PASS
+from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.report import write_reports
 from pytest_msprobe.report.html import (
     DIVERGENCE_LABEL,

@@ -11,6 +11,9 @@ import pytest
 from compare_helpers import VERSIONS, dump_dir, rank_dir
 
 from pytest_msprobe.compare import compare
+from pytest_msprobe.compare.dumps import OPTIMIZER_MODULE as OPTIMIZER
+from pytest_msprobe.compare.dumps import OUTSIDE_MODULES as OUTSIDE
+from pytest_msprobe.compare.dumps import UNKNOWN_MODULE as UNKNOWN
 from pytest_msprobe.compare.dumps import read_dump, read_stack
 from pytest_msprobe.compare.dumps.modules import (
     callees,
@@ -20,9 +23,6 @@ from pytest_msprobe.compare.dumps.modules import (
     read_construct,
     segments,
 )
-from pytest_msprobe.compare.result import OPTIMIZER_MODULE as OPTIMIZER
-from pytest_msprobe.compare.result import OUTSIDE_MODULES as OUTSIDE
-from pytest_msprobe.compare.result import UNKNOWN_MODULE as UNKNOWN
 from pytest_msprobe.format.layout import discover
 from pytest_msprobe.format.names import MODULE_PREFIX
 

@@ -10,7 +10,7 @@ import pytest
 from compare_helpers import tensor, write_dump
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.result import ERROR, PASS, WARNING
+from pytest_msprobe.compare.judging import ERROR, PASS, WARNING
 
 
 def _update(

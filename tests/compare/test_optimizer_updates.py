@@ -18,7 +18,7 @@ import pytest
 from compare_helpers import seeded
 
 from pytest_msprobe.compare import compare
-from pytest_msprobe.compare.result import UNMATCHED
+from pytest_msprobe.compare.judging import UNMATCHED
 from pytest_msprobe.report.advisor import advisor_text
 from pytest_msprobe.report.summary import summary_dict
 from pytest_msprobe.report.text import console_summary, failure_message
