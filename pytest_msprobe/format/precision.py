@@ -19,7 +19,7 @@ one table of the calls each kind of setting governs (:func:`kind_of`: a record's
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pytest_msprobe.format.names import is_parameters_grad, params_grad_module, parse_name
@@ -71,10 +71,7 @@ class Policy:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "device": self.device,
-            "conv": self.conv,
-            "matmul": self.matmul,
-            "autocast": self.autocast,
+            **asdict(self),
             "conv_setting": list(self.conv_setting) if self.conv_setting else None,
             "matmul_setting": list(self.matmul_setting) if self.matmul_setting else None,
         }

@@ -71,13 +71,7 @@ class AcrossDevices:
         return f"across devices ({self.why}): {drift}; {self.rule}"
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "why": self.why,
-            "own_errors": self.own_errors,
-            "drift_calls": self.drift_calls,
-            "evidence_calls": self.evidence_calls,
-            "rule": self.rule,
-        }
+        return {**dataclasses.asdict(self), "rule": self.rule}
 
 
 def judge_across(
