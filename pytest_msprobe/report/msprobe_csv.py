@@ -92,16 +92,6 @@ def _stat(value: float | None, dtype: str | None) -> Any:
     return whole_number(value, dtype)
 
 
-def _stats(leaf: RowSide) -> list[Any]:
-    if leaf is None:
-        return [NA] * 4
-    if is_none(leaf):
-        return ["None"] * 4
-    if not is_tensor(leaf):
-        return [leaf.value] * 4
-    return [_stat(v, leaf.dtype) for v in leaf.stats]
-
-
 COSINE_ROUNDED = 0.9999  # a Cosine above it msprobe gives to 6 decimals
 
 
@@ -129,7 +119,12 @@ def _verdict(row: RowResult, mode: str) -> list[Any]:
     return [word, _err_message(row, word)]
 
 
-CSV = Spelling(_dtype, _shape, _stats, lambda row: _rounded(tensor_cells(row)), _verdict)
+def _plain(value: Any) -> Any:
+    """A plain value (not a tensor) as the dump holds it."""
+    return value
+
+
+CSV = Spelling(_dtype, _shape, _plain, _stat, lambda row: _rounded(tensor_cells(row)), _verdict)
 
 
 def csv_rows(result: CompareResult) -> Iterator[list[Any]]:

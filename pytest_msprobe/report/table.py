@@ -124,15 +124,13 @@ def requires_grad_cell(leaf: RowSide) -> str:
     return str(leaf.requires_grad)
 
 
-def _stat_values(leaf: RowSide) -> list[Any]:
-    if leaf is None:
-        return [NA] * 4
-    if is_none(leaf):
-        return ["None"] * 4
-    if not is_tensor(leaf):
-        value = leaf.value if isinstance(leaf.value, (int, float, str, bool)) else str(leaf.value)
-        return [value] * 4
-    return [NA if v is None else v for v in leaf.stats]
+def _plain(value: Any) -> Any:
+    """A plain value (not a tensor) as a cell can hold it, else as text."""
+    return value if isinstance(value, (int, float, str, bool)) else str(value)
+
+
+def _stat(value: float | None, dtype: str | None) -> Any:
+    return NA if value is None else value
 
 
 def _num(value: float | None) -> Any:
@@ -281,9 +279,21 @@ class Spelling:
 
     dtype: Callable[[RowSide], str]
     shape: Callable[[RowSide], str]
-    stats: Callable[[RowSide], list[Any]]  # a side's max, min, mean and l2norm
+    plain: Callable[[Any], Any]  # a plain value (not a tensor), each of its four statistics
+    stat: Callable[[float | None, str | None], Any]  # a tensor's statistic, of its dtype
     metrics: Callable[[RowResult], list[Any]]  # a tensor row's Cosine ... Five Thousandths Err Ratio
     verdict: Callable[[RowResult, str], list[Any]]  # the cells after Requires_grad Consistent, by mode
+
+
+def stats_cells(leaf: RowSide, spelling: Spelling) -> list[Any]:
+    """A side's max, min, mean and l2norm: ``N/A`` for a missing side, ``None`` for a None item."""
+    if leaf is None:
+        return [NA] * 4
+    if is_none(leaf):
+        return ["None"] * 4
+    if not is_tensor(leaf):
+        return [spelling.plain(leaf.value)] * 4
+    return [spelling.stat(v, leaf.dtype) for v in leaf.stats]
 
 
 def row_cells(result: CompareResult, row: RowResult, stack: str, spelling: Spelling) -> list[Any]:
@@ -293,10 +303,10 @@ def row_cells(result: CompareResult, row: RowResult, stack: str, spelling: Spell
     verdict = spelling.verdict(row, result.mode)
     if result.mode == "statistics":
         diffs, rels = stat_cells(row)
-        values += [*diffs, *rels, *spelling.stats(t), *spelling.stats(b)]
+        values += [*diffs, *rels, *stats_cells(t, spelling), *stats_cells(b, spelling)]
         values += [consistent_cell(row), *verdict, stack]
     elif result.mode == "tensor":
-        values += [*spelling.metrics(row), *spelling.stats(t), *spelling.stats(b)]
+        values += [*spelling.metrics(row), *stats_cells(t, spelling), *stats_cells(b, spelling)]
         values += [consistent_cell(row), *verdict, stack, data_name_cell(row)]
     else:
         values += [md5_cell(t), md5_cell(b), consistent_cell(row), *verdict, stack]
@@ -310,7 +320,7 @@ def _verdict(row: RowResult, mode: str) -> list[Any]:
     return [row.status, row.reason] if mode == "statistics" else [row.status]
 
 
-XLSX = Spelling(_dtype, _shape, _stat_values, tensor_cells, _verdict)
+XLSX = Spelling(_dtype, _shape, _plain, _stat, tensor_cells, _verdict)
 
 
 def extra_values(result: CompareResult, row: RowResult) -> list[Any]:
