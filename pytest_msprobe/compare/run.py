@@ -306,7 +306,7 @@ def measure_coverage(
                 if row.target is None:
                     unmatched[p] += 1
     per_pair = tuple(
-        PairCoverage(pair.step, pair.rank, calls[p], calls_unmatched[p], counted[p], unmatched[p])
+        PairCoverage(calls[p], calls_unmatched[p], counted[p], unmatched[p], step=pair.step, rank=pair.rank)
         for p, pair in enumerate(pairs)
     )
     over = tuple(p for p, c in enumerate(per_pair) if c.share > limit)
@@ -316,7 +316,7 @@ def measure_coverage(
         for i, api in enumerate(apis)
         if api.pair in chosen and api.status == UNMATCHED and api.bench_api is not None
     )
-    return Coverage(limit, per_pair, over, tuple(i for _, i in lonely[:FIRST_UNMATCHED]))
+    return Coverage.of(limit, per_pair, over, tuple(i for _, i in lonely[:FIRST_UNMATCHED]))
 
 
 def refuse_self_compare(

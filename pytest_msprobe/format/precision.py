@@ -19,7 +19,7 @@ one table of the calls each kind of setting governs (:func:`kind_of`: a record's
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pytest_msprobe.format.names import is_parameters_grad, params_grad_module, parse_name
@@ -71,10 +71,7 @@ class Policy:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "device": self.device,
-            "conv": self.conv,
-            "matmul": self.matmul,
-            "autocast": self.autocast,
+            **asdict(self),
             "conv_setting": list(self.conv_setting) if self.conv_setting else None,
             "matmul_setting": list(self.matmul_setting) if self.matmul_setting else None,
         }
@@ -269,6 +266,21 @@ class Aspect:
     states: tuple[str, str] = ("on", "off")  # the states of its flag, set and not
 
 
+def _half_reduction(short: str, dtype: str, switch: str) -> Aspect:
+    """cuBLAS's sums of the products of ``dtype`` matmuls in ``dtype`` (``short``: fp16, bf16), or in float32."""
+    return Aspect(
+        f"{short} reduction",
+        MATMUL,
+        (dtype,),
+        (f"cuda.matmul.allow_{short}_reduced_precision_reduction",),
+        (switch,),
+        f"it lets cuBLAS sum the products of {dtype} matmuls in {dtype} rather than float32",
+        algorithm=True,
+        devices=("cuda",),
+        states=("reduced", "full"),
+    )
+
+
 ASPECTS: tuple[Aspect, ...] = (
     Aspect(
         "conv",
@@ -301,28 +313,8 @@ ASPECTS: tuple[Aspect, ...] = (
         "rounded to a 10-bit mantissa, about 1e-3 relative error, ten times float32's tolerance; 'medium' "
         "bfloat16, about 1e-2; HF32 the NPU's)",
     ),
-    Aspect(
-        "fp16 reduction",
-        MATMUL,
-        (FLOAT16,),
-        ("cuda.matmul.allow_fp16_reduced_precision_reduction",),
-        (FP16_REDUCTION,),
-        "it lets cuBLAS sum the products of float16 matmuls in float16 rather than float32",
-        algorithm=True,
-        devices=("cuda",),
-        states=("reduced", "full"),
-    ),
-    Aspect(
-        "bf16 reduction",
-        MATMUL,
-        (BFLOAT16,),
-        ("cuda.matmul.allow_bf16_reduced_precision_reduction",),
-        (BF16_REDUCTION,),
-        "it lets cuBLAS sum the products of bfloat16 matmuls in bfloat16 rather than float32",
-        algorithm=True,
-        devices=("cuda",),
-        states=("reduced", "full"),
-    ),
+    _half_reduction("fp16", FLOAT16, FP16_REDUCTION),
+    _half_reduction("bf16", BFLOAT16, BF16_REDUCTION),
     Aspect(
         "autocast",
         AUTOCAST,

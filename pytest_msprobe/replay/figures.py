@@ -36,17 +36,23 @@ _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
 @dataclass
-class Figures:
-    """The figures of one tensor pair (of its finite elements)."""
+class _Sums:
+    """What the figures of a tensor pair and a pass over some of its blocks both add up."""
 
-    size: int = 0
     max_abs: float = 0.0
     sum_sq: float = 0.0
     small_breaches: int = 0
     ulp_sum: float = 0.0
-    over: tuple[int, ...] = ()  # per bound: the elements whose relative error passes it
     max_rel: float = 0.0
     sum_rel: float = 0.0
+
+
+@dataclass
+class Figures(_Sums):
+    """The figures of one tensor pair (of its finite elements)."""
+
+    size: int = 0
+    over: tuple[int, ...] = ()  # per bound: the elements whose relative error passes it
     finite: bool = True  # False: some value is not finite on a side (nothing else is filled in)
 
 
@@ -60,16 +66,10 @@ class _Bracket(NamedTuple):
 
 
 @dataclass
-class _Pass:
+class _Pass(_Sums):
     """What the pass over a range of blocks gives (with the relative errors against ``floor_hi``)."""
 
-    max_abs: float = 0.0
-    sum_sq: float = 0.0
-    small_breaches: int = 0
-    ulp_sum: float = 0.0
     over: list[int] = field(default_factory=list)
-    max_rel: float = 0.0
-    sum_rel: float = 0.0
     inexact: list[int] = field(default_factory=list)  # starts of the blocks that differ from the replay
     unbracketed: list[int] = field(default_factory=list)  # starts of exact blocks whose magnitudes wait
     below: int = 0  # magnitudes under the median's bracket

@@ -44,16 +44,13 @@ from pytest_msprobe.compare.thresholds import is_integral
 from pytest_msprobe.report.table import (
     MSPROBE_COLUMNS,
     NA,
-    NAN_WORD,
-    consistent_cell,
-    data_name_cell,
+    Spelling,
     extra_columns,
-    extra_values,
-    head_cells,
-    md5_cell,
+    nonfinite_word,
+    row_cells,
     stack_cells,
-    stat_cells,
     tensor_cells,
+    whole_number,
 )
 
 # msprobe 26.x's columns: 8.3.3's (the xlsx's), its verdict column named Result in every mode, and md5's
@@ -90,22 +87,10 @@ def _stat(value: float | None, dtype: str | None) -> Any:
     if value is None:
         return "None"
     if not math.isfinite(value):
-        return NAN_WORD if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return nonfinite_word(value)
     if dtype in ("torch.bool", "bool"):
         return value != 0
-    if is_integral(dtype) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _stats(leaf: RowSide) -> list[Any]:
-    if leaf is None:
-        return [NA] * 4
-    if is_none(leaf):
-        return ["None"] * 4
-    if not is_tensor(leaf):
-        return [leaf.value] * 4
-    return [_stat(v, leaf.dtype) for v in leaf.stats]
+    return whole_number(value, dtype)
 
 
 COSINE_ROUNDED = 0.9999  # a Cosine above it msprobe gives to 6 decimals
@@ -129,27 +114,24 @@ def _err_message(row: RowResult, result_word: str) -> str:
     return json.dumps([f"{result_word}: {row.reason}"], ensure_ascii=False)
 
 
-def csv_row(result: CompareResult, row: RowResult, stack: str) -> list[Any]:
-    """One row of the CSV."""
-    t, b = row.target, row.baseline
+def _verdict(row: RowResult, mode: str) -> list[Any]:
+    """Result and Err_message, in every mode."""
     word = RESULT[row.status]
-    values = head_cells(row, _dtype, _shape)
-    if result.mode == "statistics":
-        diffs, rels = stat_cells(row)
-        values += [*diffs, *rels, *_stats(t), *_stats(b)]
-        values += [consistent_cell(row), word, _err_message(row, word), stack]
-    elif result.mode == "tensor":
-        values += [*_rounded(tensor_cells(row)), *_stats(t), *_stats(b)]
-        values += [consistent_cell(row), word, _err_message(row, word), stack, data_name_cell(row)]
-    else:
-        values += [md5_cell(t), md5_cell(b), consistent_cell(row), word, _err_message(row, word), stack]
-    return values + extra_values(result, row)
+    return [word, _err_message(row, word)]
+
+
+def _plain(value: Any) -> Any:
+    """A plain value (not a tensor) as the dump holds it."""
+    return value
+
+
+CSV = Spelling(_dtype, _shape, _plain, _stat, lambda row: _rounded(tensor_cells(row)), _verdict)
 
 
 def csv_rows(result: CompareResult) -> Iterator[list[Any]]:
     """Every row of the CSV after the header, in the compare's row order."""
     for row, stack in zip(result.rows, stack_cells(result)):
-        yield csv_row(result, row, stack)
+        yield row_cells(result, row, stack, CSV)
 
 
 def write_csv(path: str | os.PathLike[str], result: CompareResult) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pytest_msprobe.compare.judging import (
@@ -123,23 +124,27 @@ def requires_grad_cell(leaf: RowSide) -> str:
     return str(leaf.requires_grad)
 
 
-def _stat_values(leaf: RowSide) -> list[Any]:
-    if leaf is None:
-        return [NA] * 4
-    if is_none(leaf):
-        return ["None"] * 4
-    if not is_tensor(leaf):
-        value = leaf.value if isinstance(leaf.value, (int, float, str, bool)) else str(leaf.value)
-        return [value] * 4
-    return [NA if v is None else v for v in leaf.stats]
+def _plain(value: Any) -> Any:
+    """A plain value (not a tensor) as a cell can hold it, else as text."""
+    return value if isinstance(value, (int, float, str, bool)) else str(value)
+
+
+def _stat(value: float | None, dtype: str | None) -> Any:
+    return NA if value is None else value
 
 
 def _num(value: float | None) -> Any:
     return NA if value is None else value
 
 
-def _nonfinite_word(value: float) -> str:
+def nonfinite_word(value: float) -> str:
+    """msprobe's word for a NaN or an infinity: ``Nan``, ``inf``, ``-inf``."""
     return NAN_WORD if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def whole_number(value: float, *dtypes: str | None) -> float | int:
+    """A statistic or a diff as msprobe writes it: a whole number where each of ``dtypes`` is an integer one."""
+    return int(value) if all(is_integral(d) for d in dtypes) and value.is_integer() else value
 
 
 def stat_cells(row: RowResult) -> tuple[list[Any], list[Any]]:
@@ -158,7 +163,6 @@ def stat_cells(row: RowResult) -> tuple[list[Any], list[Any]]:
     if not (is_tensor(t) and is_tensor(b)):
         same = is_tensor(t) == is_tensor(b) and is_none(t) == is_none(b) and str(t.value) == str(b.value)
         return ([0] * 4, ["0"] * 4) if same else ([NA] * 4, [NA] * 4)
-    integral = is_integral(t.dtype) and is_integral(b.dtype)
     stat = row.stat
     diffs: list[Any] = []
     rels: list[Any] = []
@@ -169,13 +173,13 @@ def stat_cells(row: RowResult) -> tuple[list[Any], list[Any]]:
             diffs.append(0 if same else NA)
             rels.append("0" if same else NA)
         elif not math.isfinite(d):
-            diffs.append(_nonfinite_word(d))
-            rels.append(_nonfinite_word(d))
+            diffs.append(nonfinite_word(d))
+            rels.append(nonfinite_word(d))
         elif d == 0:
             diffs.append(0)
             rels.append("0")
         else:
-            diffs.append(int(d) if integral and d.is_integer() else d)
+            diffs.append(whole_number(d, t.dtype, b.dtype))
             r = stat.rel[i] if stat is not None else None
             rels.append("inf" if r is None else f"{r * 100!r}%")
     return diffs, rels
@@ -269,22 +273,54 @@ def head_cells(row: RowResult, dtype: Callable[[RowSide], str], shape: Callable[
     ]
 
 
-def row_values(result: CompareResult, index: int, stack: str) -> list[Any]:
-    row = result.rows[index]
+@dataclass(frozen=True)
+class Spelling:
+    """The cells that msprobe 8.3.3's xlsx and 26.2.0's CSV write each its own way (:func:`row_cells`)."""
+
+    dtype: Callable[[RowSide], str]
+    shape: Callable[[RowSide], str]
+    plain: Callable[[Any], Any]  # a plain value (not a tensor), each of its four statistics
+    stat: Callable[[float | None, str | None], Any]  # a tensor's statistic, of its dtype
+    metrics: Callable[[RowResult], list[Any]]  # a tensor row's Cosine ... Five Thousandths Err Ratio
+    verdict: Callable[[RowResult, str], list[Any]]  # the cells after Requires_grad Consistent, by mode
+
+
+def stats_cells(leaf: RowSide, spelling: Spelling) -> list[Any]:
+    """A side's max, min, mean and l2norm: ``N/A`` for a missing side, ``None`` for a None item."""
+    if leaf is None:
+        return [NA] * 4
+    if is_none(leaf):
+        return ["None"] * 4
+    if not is_tensor(leaf):
+        return [spelling.plain(leaf.value)] * 4
+    return [spelling.stat(v, leaf.dtype) for v in leaf.stats]
+
+
+def row_cells(result: CompareResult, row: RowResult, stack: str, spelling: Spelling) -> list[Any]:
+    """One row of the table: msprobe's columns for the mode as ``spelling`` writes them, then ours."""
     t, b = row.target, row.baseline
-    values = head_cells(row, _dtype, _shape)
-    mode = result.mode
-    if mode == "statistics":
+    values = head_cells(row, spelling.dtype, spelling.shape)
+    verdict = spelling.verdict(row, result.mode)
+    if result.mode == "statistics":
         diffs, rels = stat_cells(row)
-        values += diffs + rels + _stat_values(t) + _stat_values(b)
-        values += [consistent_cell(row), row.status, row.reason, stack]
-    elif mode == "tensor":
-        values += tensor_cells(row)
-        values += _stat_values(t) + _stat_values(b)
-        values += [consistent_cell(row), _accuracy(row), row.reason, stack, data_name_cell(row)]
+        values += [*diffs, *rels, *stats_cells(t, spelling), *stats_cells(b, spelling)]
+        values += [consistent_cell(row), *verdict, stack]
+    elif result.mode == "tensor":
+        values += [*spelling.metrics(row), *stats_cells(t, spelling), *stats_cells(b, spelling)]
+        values += [consistent_cell(row), *verdict, stack, data_name_cell(row)]
     else:
-        values += [md5_cell(t), md5_cell(b), consistent_cell(row), row.status, stack]
+        values += [md5_cell(t), md5_cell(b), consistent_cell(row), *verdict, stack]
     return values + extra_values(result, row)
+
+
+def _verdict(row: RowResult, mode: str) -> list[Any]:
+    """msprobe 8.3.3's Result (tensor mode: Accuracy Reached or Not) and Err_message (none in md5 mode)."""
+    if mode == "tensor":
+        return [_accuracy(row), row.reason]
+    return [row.status, row.reason] if mode == "statistics" else [row.status]
+
+
+XLSX = Spelling(_dtype, _shape, _plain, _stat, tensor_cells, _verdict)
 
 
 def extra_values(result: CompareResult, row: RowResult) -> list[Any]:
@@ -345,7 +381,7 @@ def compare_sheet(result: CompareResult) -> Sheet:
 
     def rows() -> Iterator[list[Any]]:
         for i, stack in enumerate(stack_cells(result)):
-            yield row_values(result, i, stack)
+            yield row_cells(result, result.rows[i], stack, XLSX)
 
     styles = (_row_style(result, i) for i in range(len(result.rows)))
     return Sheet("compare_result", header, rows(), styles, _widths(header), freeze_cols=2)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 
 from pytest_msprobe.compare.thresholds import format_share
 
@@ -19,11 +19,9 @@ UNMATCHED_CAUSES = (
 
 
 @dataclass(frozen=True)
-class PairCoverage:
-    """How much of one dump pair's baseline found a partner in the target."""
+class Counts:
+    """How many calls and rows a baseline has, and how many of them found no partner in the target."""
 
-    step: int | None
-    rank: int | None
     baseline_calls: int
     unmatched_calls: int  # baseline calls the target does not make
     baseline_rows: int
@@ -32,12 +30,33 @@ class PairCoverage:
 
     @property
     def share(self) -> float:
+        """The share of the baseline's rows that found no partner."""
         return self.unmatched_rows / self.baseline_rows if self.baseline_rows else 0.0
 
 
+def added(counts: Iterable[Counts]) -> Counts:
+    """The counts of several dump pairs, added up."""
+    items = list(counts)
+    return Counts(
+        sum(c.baseline_calls for c in items),
+        sum(c.unmatched_calls for c in items),
+        sum(c.baseline_rows for c in items),
+        sum(c.unmatched_rows for c in items),
+    )
+
+
 @dataclass(frozen=True)
-class Coverage:
-    """How much of the baseline was compared, each dump pair held to ``Thresholds.max_unmatched``.
+class PairCoverage(Counts):
+    """How much of one dump pair's baseline found a partner in the target."""
+
+    step: int | None
+    rank: int | None
+
+
+@dataclass(frozen=True)
+class Coverage(Counts):
+    """How much of the baseline was compared, each dump pair held to ``Thresholds.max_unmatched``; its counts
+    are those of every pair, added up (:meth:`of`).
 
     A pair above the limit fails the compare whatever its compared rows say: a run that skipped its backward
     pass, dumped another level or trained another model pairs few rows, and the few may well agree.
@@ -49,35 +68,21 @@ class Coverage:
     # CompareResult.apis indices: the over pairs' first unmatched baseline calls
     first_unmatched: tuple[int, ...]
 
+    @classmethod
+    def of(
+        cls,
+        limit: float,
+        pairs: tuple[PairCoverage, ...],
+        over: tuple[int, ...],
+        first_unmatched: tuple[int, ...],
+    ) -> Coverage:
+        return cls(
+            **asdict(added(pairs)), limit=limit, pairs=pairs, over=over, first_unmatched=first_unmatched
+        )
+
     @property
     def passed(self) -> bool:
         return not self.over
-
-    def _total(self, name: str, pairs: Sequence[int] | None = None) -> int:
-        chosen = range(len(self.pairs)) if pairs is None else pairs
-        return sum(getattr(self.pairs[i], name) for i in chosen)
-
-    @property
-    def baseline_calls(self) -> int:
-        return self._total("baseline_calls")
-
-    @property
-    def unmatched_calls(self) -> int:
-        return self._total("unmatched_calls")
-
-    @property
-    def baseline_rows(self) -> int:
-        return self._total("baseline_rows")
-
-    @property
-    def unmatched_rows(self) -> int:
-        return self._total("unmatched_rows")
-
-    @property
-    def share(self) -> float:
-        """The share of all the baseline's rows that found no partner."""
-        rows = self.baseline_rows
-        return self.unmatched_rows / rows if rows else 0.0
 
     @property
     def headline(self) -> str | None:
@@ -85,8 +90,9 @@ class Coverage:
         the limit is 5%``, counted over the pairs above the limit (named when not all are); None when none is."""
         if not self.over:
             return None
-        calls, calls_of = self._total("unmatched_calls", self.over), self._total("baseline_calls", self.over)
-        rows, rows_of = self._total("unmatched_rows", self.over), self._total("baseline_rows", self.over)
+        counts = added(self.pairs[i] for i in self.over)
+        calls, calls_of = counts.unmatched_calls, counts.baseline_calls
+        rows, rows_of = counts.unmatched_rows, counts.baseline_rows
         where = ""
         if len(self.over) < len(self.pairs):
             named = "; ".join(_place(self.pairs[i].step, self.pairs[i].rank) for i in self.over[:3])

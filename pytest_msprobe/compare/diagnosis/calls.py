@@ -61,6 +61,11 @@ class Calls:
         # does one whose difference is too small to measure, nor a weight that drifts
         return j in self.noise or j in self.sources.drifting or close_to_line(self.rows[j])
 
+    def inputs_match(self, i: int) -> bool:
+        """Whether every input of call ``i`` matches the baseline (within a tenth of its tolerance; see rule 1):
+        then an output that breaches shows the error entering at this call."""
+        return not self.effective_inputs(i)[2]
+
     def effective_inputs(self, i: int) -> tuple[float | None, bool, bool]:
         """(largest input error, whether an input breaches, whether an input is near or over its tolerance)."""
         apis, rows, near = self.apis, self.rows, self.near

@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from pytest_msprobe.compare.diagnosis.divergence import inputs_matcher
+from pytest_msprobe.compare.diagnosis.calls import Calls
 from pytest_msprobe.compare.judging import ERROR, WARNING, ApiResult, Overflow, OwnErrorVerdict, RowResult
 
 DRIFT = "drift across devices"
@@ -71,13 +71,7 @@ class AcrossDevices:
         return f"across devices ({self.why}): {drift}; {self.rule}"
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "why": self.why,
-            "own_errors": self.own_errors,
-            "drift_calls": self.drift_calls,
-            "evidence_calls": self.evidence_calls,
-            "rule": self.rule,
-        }
+        return {**dataclasses.asdict(self), "rule": self.rule}
 
 
 def judge_across(
@@ -100,7 +94,8 @@ def judge_across(
     out_of_line: list[int] = []
     drifting: list[tuple[int, str]] = []
     evidence = 0
-    inputs_match = inputs_matcher(apis, rows, feeds, opaque, peers, noise)
+    # the calls and the inputs from outside them, read once for every call asked about
+    calls = Calls.of(apis, rows, feeds, opaque, peers, frozenset(noise))
     for i, api in enumerate(apis):
         verdict = own.get(i)
         judged = verdict is not None and not verdict.skipped
@@ -112,7 +107,7 @@ def judge_across(
         elif (
             i == overflowing
             or any(rows[j].status == ERROR and rows[j].problem for j in api.rows)
-            or (not judged and (i in relations or (api.output_breach and inputs_match(i))))
+            or (not judged and (i in relations or (api.output_breach and calls.inputs_match(i))))
         ):
             evidence += 1
         else:

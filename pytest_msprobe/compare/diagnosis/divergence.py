@@ -55,7 +55,7 @@ places it (the rule names are :data:`pytest_msprobe.compare.result.RULES`):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from pytest_msprobe.compare.diagnosis import fallback
@@ -177,26 +177,10 @@ def first_divergence(
     return fallback.structural(calls, structural or {}) or late
 
 
-def inputs_matcher(
-    apis: Sequence[ApiResult],
-    rows: Sequence[RowResult],
-    feeds: Mapping[int, Sequence[int]],
-    opaque: Collection[int],
-    peers: Mapping[int, Sequence[int]],
-    noise: Collection[int],
-) -> Callable[[int], bool]:
-    """Whether every input of call ``i`` matches the baseline (within a tenth of its tolerance; see rule 1):
-    then an output that breaches shows the error entering at this call. The calls (and the inputs from outside
-    them) are read once, for every call asked about."""
-    calls = Calls.of(apis, rows, feeds, opaque, peers, frozenset(noise))
-    return lambda i: not calls.effective_inputs(i)[2]
-
-
 def _enters(calls: Calls, breaching: list[int]) -> Divergence | None:
     apis, rows = calls.apis, calls.rows
     for i in breaching:
-        _, _, in_tainted = calls.effective_inputs(i)
-        if in_tainted:
+        if not calls.inputs_match(i):
             continue
         api = apis[i]
         row = worst_output_row(api, rows)
