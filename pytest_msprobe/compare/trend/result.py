@@ -1,5 +1,5 @@
 """The result of a trend compare (two runs' loss and gradient norms step by step): :class:`TrendResult`, part of
-:class:`~pytest_msprobe.compare.result.CompareResult` (which re-exports it for the reports)."""
+:class:`~pytest_msprobe.compare.result.CompareResult`."""
 
 from __future__ import annotations
 
