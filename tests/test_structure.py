@@ -17,6 +17,14 @@ def _layer(path: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
+def _is_module(name: str) -> bool:
+    """Whether a dotted name is one of the package's modules or packages."""
+    if not name.startswith("pytest_msprobe."):
+        return False
+    path = PACKAGE.joinpath(*name.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _imports(path: Path) -> list[tuple[str, bool]]:
     """(module imported, at module level?) for every import statement of a file."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
@@ -34,7 +42,10 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
         if isinstance(node, ast.Import):
             found += [(alias.name, id(node) in top) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.module, id(node) in top))
+            # `from pytest_msprobe.compare import judging` imports the module pytest_msprobe.compare.judging
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.append((sub if _is_module(sub) else node.module, id(node) in top))
     return found
 
 

@@ -28,19 +28,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from pytest_msprobe.compare.judging import (
-    ERROR,
-    PASS,
-    SKIPPED,
-    UNMATCHED,
-    WARNING,
-    RowResult,
-    RowSide,
-    is_none,
-    is_tensor,
-)
+from pytest_msprobe.compare import judging
+from pytest_msprobe.compare.judging import RowResult, RowSide, is_none, is_tensor
 from pytest_msprobe.compare.result import CompareResult
-from pytest_msprobe.compare.thresholds import is_integral
 from pytest_msprobe.report.table import (
     MSPROBE_COLUMNS,
     NA,
@@ -63,7 +53,13 @@ CSV_COLUMNS = {
 """msprobe 26.2.0's header for each mode (its CSVs in tests/data/msprobe/msprobe-26.2.0/compare)."""
 
 # our row verdict in msprobe's three words
-RESULT = {PASS: "pass", WARNING: "warning", ERROR: "error", UNMATCHED: "warning", SKIPPED: "pass"}
+RESULT = {
+    judging.PASS: "pass",
+    judging.WARNING: "warning",
+    judging.ERROR: "error",
+    judging.UNMATCHED: "warning",
+    judging.SKIPPED: "pass",
+}
 
 
 def csv_columns(mode: str) -> tuple[str, ...]:
