@@ -318,7 +318,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if entry is not None:  # (a report attribute: xdist carries it to the controller)
         setattr(report, ENTRY, entry)
     outcome = item.stash.get(OUTCOME_KEY, None) if call.when == "call" else None
-    if outcome is None or outcome.result is None or not item.config.pluginmanager.hasplugin("html"):
+    if outcome is None or outcome.result is None or not _html_report_asked(item.config):
         return report
     import pytest_html
 
@@ -333,6 +333,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     extras.append(pytest_html.extras.html(fragment))
     report.extras = extras
     return report
+
+
+def _html_report_asked(config: pytest.Config) -> bool:
+    """Whether this run writes a pytest-html report (``--html``): only then are the plots and tables of each
+    test's compare drawn into it (pytest-html registers itself whenever it is installed)."""
+    return config.pluginmanager.hasplugin("html") and bool(config.getoption("htmlpath", None))
 
 
 def _entry(
