@@ -16,7 +16,7 @@ from typing import Any
 
 from pytest_msprobe.compare.result import ERROR, CompareResult, TrendResult
 from pytest_msprobe.report.links import Links
-from pytest_msprobe.report.self_check import own_error_html
+from pytest_msprobe.report.own_error_table import own_error_html
 from pytest_msprobe.report.text import divergence_site, place, row_what
 
 _FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)

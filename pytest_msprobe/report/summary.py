@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from pytest_msprobe.compare.result import ERROR, ApiResult, CompareResult, Overflow
-from pytest_msprobe.report.self_check import self_check_dict
+from pytest_msprobe.report.own_error_table import self_check_dict
 
 
 def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict[str, Any]:
