@@ -26,7 +26,7 @@ files are written. The first ``--warmup`` steps (default 3) are not measured.
   dump has them. The goal is a dumped step of at most plain + 1.5 x (b) (``vs goal``: dumped / that).
 - ``self_check_L1``: task statistics L1 with ``PrecisionDebugger(self_check=True)``, every call replayed on the
   CPU in float64 and judged; ``trend``: no dump, the trend recorder (``trend_steps``, loss and gradient norms
-  of every step, pytest_msprobe.dump.trend) on during the window: the trend's own cost per step.
+  of every step, pytest_msprobe.dump.trend_recorder) on during the window: the trend's own cost per step.
 
 With ``mindstudio-probe`` importable (``pip install -e '.[bench]'``), msprobe's own PrecisionDebugger runs the same
 loop on the same models (a config.json with task, level, step and dump_path; summary_mode ``md5`` for md5), and
@@ -320,7 +320,7 @@ def run_timed(job: dict[str, Any]) -> dict[str, Any]:
     debugger = make_debugger(job["engine"], config, shape.window, dump_path)
     trend = None
     if config.trend:
-        from pytest_msprobe.dump.trend import TrendRecorder
+        from pytest_msprobe.dump.trend_recorder import TrendRecorder
 
         trend = TrendRecorder(shape.steps)
     times = []
@@ -466,7 +466,7 @@ def run_syncs(job: dict[str, Any], dump: str = "dump") -> dict[str, Any]:
     debugger = make_debugger(job["engine"], config, shape.window, Path(job["workdir"]) / dump)
     trend = None
     if config.trend:
-        from pytest_msprobe.dump.trend import TrendRecorder
+        from pytest_msprobe.dump.trend_recorder import TrendRecorder
 
         trend = TrendRecorder(shape.steps)
     for step in range(shape.steps):
@@ -730,7 +730,7 @@ def profile(args: argparse.Namespace, shape: Shape, workdir: Path) -> None:
     debugger = make_debugger("ours", config, shape.window, workdir / "dump")
     trend = None
     if config.trend:
-        from pytest_msprobe.dump.trend import TrendRecorder
+        from pytest_msprobe.dump.trend_recorder import TrendRecorder
 
         trend = TrendRecorder(shape.steps)
     sync = device.type == "cuda"

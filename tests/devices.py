@@ -24,9 +24,9 @@ What it changes, exactly, while it is active:
   node, as on a real device (a custom autograd Function in their place would give a node of its own, whose
   gradients are not those of addmm's node, bias first, nor of a 3-D linear's view, and whose backward records
   no replay could judge).
-- **The declaration** (``declare=True``): ``pytest_msprobe.dump.precision.switches`` returns torch's switches
+- **The declaration** (``declare=True``): ``pytest_msprobe.dump.switches.switches`` returns torch's switches
   with ``cudnn.allow_tf32`` and ``cuda.matmul.allow_tf32`` True (what the checklist records and the
-  self-check's policy is read from), and ``pytest_msprobe.dump.precision.training_device`` returns ``"cuda"``
+  self-check's policy is read from), and ``pytest_msprobe.dump.switches.training_device`` returns ``"cuda"``
   (the device type the checklist records and the policy is read for), in the module the debugger in use
   reads them from (after in-process pytester runs, not always the one ``sys.modules`` holds). With
   ``declare=False`` the rounding is there and the run declares the CPU's float32, as a device that does not
@@ -172,23 +172,23 @@ def _debugger_globals() -> dict[str, Any]:
 
 
 def _precision_modules() -> list[Any]:
-    """Every ``pytest_msprobe.dump.precision`` a run reads its switches and device through: the debugger's,
+    """Every ``pytest_msprobe.dump.switches`` a run reads its switches and device through: the debugger's,
     its checklist's, and the one ``sys.modules`` holds now (the same module, but after in-process pytester
     runs)."""
     found: dict[int, Any] = {}
     debugger = _debugger_globals()
     checklist = debugger["StepChecklist"].start.__globals__
-    for module in (debugger.get("precision"), checklist.get("precision"), sys.modules.get(_PRECISION)):
+    for module in (debugger.get("switches"), checklist.get("switches"), sys.modules.get(_PRECISION)):
         if module is not None:
             found[id(module)] = module
     if not found:
-        import pytest_msprobe.dump.precision as module
+        import pytest_msprobe.dump.switches as module
 
         found[id(module)] = module
     return list(found.values())
 
 
-_PRECISION = "pytest_msprobe.dump.precision"
+_PRECISION = "pytest_msprobe.dump.switches"
 
 
 def _dump_index(api: str) -> int | None:

@@ -1,4 +1,4 @@
-"""Which recorded calls a precision setting governs (format/precision.py's one table, CALLS), as kind_of says
+"""Which recorded calls a precision setting governs (format/numerics.py's one table, CALLS), as kind_of says
 for a record: forward and backward records of each API, and a module's records by its class."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_msprobe.dump.api_lists import FUNCTIONAL, TENSOR, TORCH
-from pytest_msprobe.format.precision import CONV, MATMUL, kind_of
+from pytest_msprobe.format.numerics import CONV, MATMUL, kind_of
 
 CONVOLUTIONS = [
     "Functional.conv1d.0.forward",

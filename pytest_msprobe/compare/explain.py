@@ -20,7 +20,7 @@ from pytest_msprobe.compare.thresholds import Thresholds, normalize_dtype
 from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import TENSOR_DIR
 from pytest_msprobe.format.names import FORWARD
-from pytest_msprobe.format.optimizer import UPDATE_PREFIX, is_update
+from pytest_msprobe.format.optimizerfile import UPDATE_PREFIX, is_update
 
 
 def explain_in_place(builder: Builder) -> None:

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from pytest_msprobe.dump.records import StepRecords
+from pytest_msprobe.dump.entries import iter_tensors
+from pytest_msprobe.dump.step_records import StepRecords
 from pytest_msprobe.dump.threads import claim_backward
-from pytest_msprobe.dump.values import iter_tensors
 
 _Tensor = torch.Tensor
 _get_ident = threading.get_ident

@@ -1,7 +1,7 @@
 """The training checklist of a dumped step: what msprobe's guide checks before it suspects any operator.
 
 Recorded at the start of every dumped step by the debugger (:class:`StepChecklist`), written beside the step's
-msprobe files (:mod:`pytest_msprobe.format.checklist`):
+msprobe files (:mod:`pytest_msprobe.format.checklistfile`):
 
 - the environment variables that change numerics (:data:`NUMERIC_ENV`, plus the names a user adds), library
   versions, torch's numeric switches and the seed;
@@ -11,7 +11,7 @@ msprobe files (:mod:`pytest_msprobe.format.checklist`):
   model, to the first recorded API call;
 - every optimizer that holds the model's parameters, with each param group's scalars, as its first
   ``step()`` of the step saw them (an lr scheduler's value of that step);
-- the run's numerics policy (``precision``, see :mod:`pytest_msprobe.format.precision`): the format its device
+- the run's numerics policy (``precision``, see :mod:`pytest_msprobe.format.numerics`): the format its device
   computes float32 convolutions and matmuls in, by the switches above, and the autocast dtype in force where
   the step's batch is taken (the model's forward, or the first recorded call).
 
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from pytest_msprobe.dump import determinism, precision
+from pytest_msprobe.dump import determinism, switches
 from pytest_msprobe.dump.checksums import crc32_hex as tensor_crc32
 from pytest_msprobe.dump.threads import untracked
-from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, TAKEN_AT_START, encode_number
-from pytest_msprobe.format.precision import Policy, policy_from_switches
+from pytest_msprobe.format.checklistfile import TAKEN_AT_OPTIMIZER, TAKEN_AT_START, encode_number
+from pytest_msprobe.format.numerics import Policy, policy_from_switches
 
 # the environment variables that change the numbers of a run (documented in the README); a user adds more with
 # the ini key msprobe_checklist_env
@@ -106,7 +106,7 @@ def environment(extra_env: Sequence[str] = ()) -> dict[str, Any]:
         "seed": determinism.last_seed(),
         "environment": {name: os.environ.get(name) for name in names},
         "versions": _versions(),
-        "switches": precision.switches(),
+        "switches": switches.switches(),
     }
 
 
@@ -389,7 +389,7 @@ class StepChecklist:
         """The policy where the step's model forward starts: autocast is a context around the forward, off
         again by the time the step's files are written."""
         if self.policy is None:
-            self.policy = untracked(precision.current_policy, self.device, self.doc.get("switches"))
+            self.policy = untracked(switches.current_policy, self.device, self.doc.get("switches"))
 
     @staticmethod
     def _batch(source: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -423,7 +423,7 @@ class StepChecklist:
         )
 
     def document(self) -> dict[str, Any]:
-        """What checklist.json holds (see :mod:`pytest_msprobe.format.checklist`)."""
+        """What checklist.json holds (see :mod:`pytest_msprobe.format.checklistfile`)."""
         doc: dict[str, Any] = {"step": self.step, "rank": self.rank, "device": self.device, **self.doc}
         doc["optimizers"] = list(self.optimizers)
         policy = self.policy or policy_from_switches(self.device, self.doc.get("switches") or {})

@@ -16,7 +16,7 @@ the program's place: a work that is not waited for before ``stop()`` (its future
 record with its inputs only.
 
 Process groups, reduce operations and ``P2POp`` objects are written as msprobe writes them (see
-:mod:`.values`). Collectives write into tensors without advancing their version counter, so the statistics cache
+:mod:`.entries`). Collectives write into tensors without advancing their version counter, so the statistics cache
 forgets every tensor a collective touched.
 
 The collectives with autograd of ``torch.distributed.nn.functional`` are recorded under the same
@@ -40,10 +40,10 @@ from typing import Any
 import torch
 
 from pytest_msprobe.dump.config import DumpConfig
-from pytest_msprobe.dump.records import StepRecords
+from pytest_msprobe.dump.entries import iter_tensors
 from pytest_msprobe.dump.stats import StatEngine
+from pytest_msprobe.dump.step_records import StepRecords
 from pytest_msprobe.dump.threads import slot, untracked
-from pytest_msprobe.dump.values import iter_tensors
 from pytest_msprobe.format.names import FORWARD
 
 try:

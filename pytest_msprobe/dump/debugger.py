@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pytest_msprobe.dump import precision, threads
+from pytest_msprobe.dump import switches, threads
 from pytest_msprobe.dump.checklist import StepChecklist, caller_model
 from pytest_msprobe.dump.config import DumpArgs, DumpConfig, build_config, format_size
 from pytest_msprobe.dump.intercept import ApiPatcher
-from pytest_msprobe.dump.overflow import keep_overflows, keep_stacks
+from pytest_msprobe.dump.overflow_filter import keep_overflows, keep_stacks
 from pytest_msprobe.dump.recorder import Recorder
 from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.dump.signals import heal as heal_signal_handlers
@@ -172,10 +172,10 @@ class PrecisionDebugger:
             recorder.owner = ident
             recorder.closed = False
             if self._checklist is None:  # the step's first start
-                device = precision.training_device(self.model)
+                device = switches.training_device(self.model)
                 self._checklist = StepChecklist(self.current_step, current_rank(), device, self.checklist_env)
                 if recorder.self_check is not None:  # judged by what the device declares as the step starts
-                    recorder.self_check.policy = precision.current_policy(device)
+                    recorder.self_check.policy = switches.current_policy(device)
             if self.model is None and self._checklist_model is None:
                 self._checklist_model = caller_model()
             self._checklist.start(self.model if self.model is not None else self._checklist_model)

@@ -24,8 +24,8 @@ import torch
 from pytest_msprobe.dump.autograd import BackwardRecord, find_consumers, get_sequence_nr, queue_callback
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.ops import add as _add
-from pytest_msprobe.dump.records import ModuleCall, StepRecords, backward_parent
 from pytest_msprobe.dump.stats import StatEngine
+from pytest_msprobe.dump.step_records import ModuleCall, StepRecords, backward_parent
 from pytest_msprobe.dump.threads import slot, untracked
 from pytest_msprobe.format.names import BACKWARD, FORWARD, backward_of, module_base, params_grad_name
 

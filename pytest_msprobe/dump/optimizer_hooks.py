@@ -3,7 +3,7 @@
 APIs run inside ``optimizer.step()`` get the parent node "optimizer" in construct.json at level mix, as msprobe
 gives them. At every level, each step of an optimizer holding the model's parameters also records, per parameter,
 the weight and its gradient before the step and the weight and its optimizer state after it, in msprobe's record
-shape under ``Optimizer.{parameter}.{n}.forward`` (see :mod:`pytest_msprobe.format.optimizer`): torch's optimizers
+shape under ``Optimizer.{parameter}.{n}.forward`` (see :mod:`pytest_msprobe.format.optimizerfile`): torch's optimizers
 make other calls on other devices (single-tensor loops, ``torch._foreach_*`` lists, one fused kernel), and these
 records let a compare pair the updates whatever kernels made them. The tensors go through the step's StatEngine,
 as every record's do: statistics on the device, no host sync per parameter, md5 and tensor files alike.
@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from pytest_msprobe.dump.config import DumpConfig
-from pytest_msprobe.dump.records import StepRecords
 from pytest_msprobe.dump.stack import Stack, StackTable
 from pytest_msprobe.dump.stats import StatEngine
+from pytest_msprobe.dump.step_records import StepRecords
 from pytest_msprobe.dump.threads import untracked
 from pytest_msprobe.format.names import OPTIMIZER_NODE
-from pytest_msprobe.format.optimizer import FOREACH, FUSED, SINGLE_TENSOR, OptimizerStep, update_name
+from pytest_msprobe.format.optimizerfile import FOREACH, FUSED, SINGLE_TENSOR, OptimizerStep, update_name
 
 _get_ident = threading.get_ident
 _Tensor = torch.Tensor

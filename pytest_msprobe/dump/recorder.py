@@ -1,4 +1,4 @@
-"""The recorder of one step: its records (:mod:`.records`) and the parts that make them, put together.
+"""The recorder of one step: its records (:mod:`.step_records`) and the parts that make them, put together.
 
 - :mod:`.api_calls`: APIs (L1), called from the wrappers of :mod:`.intercept`, and their backward;
 - :mod:`.module_hooks`: modules (L0), forward and backward, and parameter gradients;

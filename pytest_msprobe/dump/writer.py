@@ -28,7 +28,7 @@ from typing import Any
 from pytest_msprobe.dump.signals import deferred_signals
 from pytest_msprobe.dump.torchsave import save_tensor
 from pytest_msprobe.errors import DumpError, PathLike
-from pytest_msprobe.format.checklist import CHECKLIST_JSON, write_checklist
+from pytest_msprobe.format.checklistfile import CHECKLIST_JSON, write_checklist
 from pytest_msprobe.format.files import write_text
 from pytest_msprobe.format.layout import (
     CONSTRUCT_JSON,
@@ -37,7 +37,7 @@ from pytest_msprobe.format.layout import (
     rank_folder,
     step_folder,
 )
-from pytest_msprobe.format.optimizer import OPTIMIZER_JSON, OptimizerStep, write_optimizer
+from pytest_msprobe.format.optimizerfile import OPTIMIZER_JSON, OptimizerStep, write_optimizer
 from pytest_msprobe.format.own_errors import CallOwn, own_errors_path, write_own_errors
 
 

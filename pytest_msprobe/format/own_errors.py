@@ -11,7 +11,7 @@ None), or why the call was not replayed::
                "Functional.relu.2.forward": {"outputs": [{"dtype": "float32", "rel_share": 0.0, ...}]},
                "Functional.dropout.0.forward": {"skipped": "a random op: ..."}}}
 
-``precision`` is the numerics policy the calls were judged by (:class:`~pytest_msprobe.format.precision.Policy`,
+``precision`` is the numerics policy the calls were judged by (:class:`~pytest_msprobe.format.numerics.Policy`,
 ``null`` where none was known), and a call's ``emulated`` the reduced format (or autocast dtype) its replay
 computed its convolutions' and matrix products' operands in, as the device declares it does; a call without it
 was replayed in float64 from its inputs as they are.

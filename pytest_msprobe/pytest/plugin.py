@@ -15,7 +15,7 @@ call reports are counted as errors by :func:`pytest_report_teststatus`. In repor
 precision verdict (a breach, a missing baseline, an out-of-line call) is recorded and reported but does not fail
 the test; the other failures and errors above stay what they are: the test did not reach a verdict.
 
-Every checked test's entry of the session summary rides on its report (:mod:`.session` collects them and writes
+Every checked test's entry of the session summary rides on its report (:mod:`.session_hooks` collects them and writes
 ``summary.json`` and ``index.html`` at the end); the pytest-html extras link the report files relative to the
 HTML report's folder, or embed them in a self-contained report.
 
@@ -43,7 +43,7 @@ from pytest_msprobe.options import (
     resolve_session,
     resolve_test,
 )
-from pytest_msprobe.pytest.session import ENTRY, VERDICT, SessionReports
+from pytest_msprobe.pytest.session_hooks import ENTRY, VERDICT, SessionReports
 from pytest_msprobe.replay.pristine import capture_when_torch_loads
 from pytest_msprobe.report.links import Links
 from pytest_msprobe.run.baseline import check_baseline_root

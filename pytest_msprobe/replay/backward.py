@@ -20,12 +20,9 @@ from typing import Any, TypeVar
 import torch
 
 from pytest_msprobe.errors import DumpFormatError, DumpReadError
-from pytest_msprobe.format.precision import Policy
+from pytest_msprobe.format.numerics import Policy
 from pytest_msprobe.replay.apis import Target, draws, resolve
-from pytest_msprobe.replay.emulate import Emulator, autocast_of, emulation_for, emulator
-from pytest_msprobe.replay.standard import OwnError, judge_output, sum_floor
-from pytest_msprobe.replay.state import steady
-from pytest_msprobe.replay.values import (
+from pytest_msprobe.replay.arguments import (
     Unreplayable,
     as_leaf,
     flat,
@@ -35,6 +32,9 @@ from pytest_msprobe.replay.values import (
     raised,
     rebuild_inputs,
 )
+from pytest_msprobe.replay.emulate import Emulator, autocast_of, emulation_for, emulator
+from pytest_msprobe.replay.standard import OwnError, judge_output, sum_floor
+from pytest_msprobe.replay.state import steady
 
 OwnErrors = tuple[OwnError | None, ...]
 R = TypeVar("R")

@@ -2,7 +2,7 @@
 it computes as its settings declare.
 
 A device computes float32 convolutions and matrix products in a reduced format where a switch allows it
-(:mod:`pytest_msprobe.format.precision`: CUDA's TF32, the NPU's HF32, bfloat16 matmuls), and under autocast
+(:mod:`pytest_msprobe.format.numerics`: CUDA's TF32, the NPU's HF32, bfloat16 matmuls), and under autocast
 torch casts the inputs of those calls to the autocast dtype. A float64 replay of the float32 inputs holds such
 a call to float32's precision, which it does not have by design. So the replay of a call with float32 inputs
 (:func:`emulation_for`) runs where its kernels are reached (a :class:`~torch.utils._python_dispatch.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pytest_msprobe.format.precision import (
+from pytest_msprobe.format.numerics import (
     BFLOAT16,
     CONV,
     FLOAT16,

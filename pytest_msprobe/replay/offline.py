@@ -21,21 +21,21 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.format.checklist import read_checklist
+from pytest_msprobe.format.checklistfile import read_checklist
 from pytest_msprobe.format.files import read_json, write_text
 from pytest_msprobe.format.layout import TENSOR_DIR, discover
 from pytest_msprobe.format.names import BACKWARD, FORWARD, parse_name
-from pytest_msprobe.format.precision import Policy, checklist_policy
+from pytest_msprobe.format.numerics import Policy, checklist_policy
 from pytest_msprobe.replay.apis import resolve
-from pytest_msprobe.replay.backward import read_records, replay_backward, run_replayed
-from pytest_msprobe.replay.standard import OwnError, judge_output
-from pytest_msprobe.replay.state import steady
-from pytest_msprobe.replay.values import (
+from pytest_msprobe.replay.arguments import (
     flat,
     is_tensor_node,
     load_tensor,
     rebuild_inputs,
 )
+from pytest_msprobe.replay.backward import read_records, replay_backward, run_replayed
+from pytest_msprobe.replay.standard import OwnError, judge_output
+from pytest_msprobe.replay.state import steady
 
 REPLAY_JSON = "replay.json"
 

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from pytest_msprobe.format.own_errors import SHARE_BOUNDS, OwnError
+from pytest_msprobe.replay.arguments import out_of_memory
 from pytest_msprobe.replay.figures import figures
-from pytest_msprobe.replay.values import out_of_memory
 
 # dtype -> (small-value bound, absolute error allowed on small values, relative-error bound and share bound)
 _STANDARD = {

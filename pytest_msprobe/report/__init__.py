@@ -21,7 +21,12 @@ from pytest_msprobe.format.files import atomic_path, write_text
 from pytest_msprobe.report.advisor import advisor_text
 from pytest_msprobe.report.model import model_html
 from pytest_msprobe.report.msprobe_csv import write_csv
-from pytest_msprobe.report.self_check import own_error_csv, own_error_rows, own_error_sheet, self_check_rows
+from pytest_msprobe.report.own_error_table import (
+    own_error_csv,
+    own_error_rows,
+    own_error_sheet,
+    self_check_rows,
+)
 from pytest_msprobe.report.summary import summary_dict, summary_json
 from pytest_msprobe.report.table import api_sheet, compare_sheet
 from pytest_msprobe.report.text import console_summary

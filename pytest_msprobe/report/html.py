@@ -18,7 +18,7 @@ from pytest_msprobe.compare.judging import ERROR
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.compare.trend import TrendResult
 from pytest_msprobe.report.links import Links
-from pytest_msprobe.report.self_check import own_error_html
+from pytest_msprobe.report.own_error_table import own_error_html
 from pytest_msprobe.report.text import divergence_site, place, row_what
 
 _FLOOR = 1e-6  # ratios below this are drawn at the floor (exactly equal rows have ratio 0)

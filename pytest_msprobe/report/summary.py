@@ -8,7 +8,7 @@ from typing import Any
 
 from pytest_msprobe.compare.judging import ERROR, ApiResult, Overflow
 from pytest_msprobe.compare.result import CompareResult
-from pytest_msprobe.report.self_check import self_check_dict
+from pytest_msprobe.report.own_error_table import self_check_dict
 
 
 def _place(result: CompareResult, api: ApiResult, row: str, reason: str) -> dict[str, Any]:

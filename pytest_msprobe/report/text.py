@@ -24,7 +24,7 @@ from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.compare.thresholds import normalize_dtype
 from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.options import BY_NAME
-from pytest_msprobe.report.self_check import own_error_line
+from pytest_msprobe.report.own_error_table import own_error_line
 from pytest_msprobe.report.summary import rank_summaries
 
 # ------------------------------------------------------------------------------------------ shared pieces

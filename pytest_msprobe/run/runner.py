@@ -117,7 +117,7 @@ class _Determinism:
         seed_all(seed=seed, mode=True)
         if allow_tf32:  # the production setting: the checklist records it
             return saved
-        from pytest_msprobe.dump.precision import strict_float32
+        from pytest_msprobe.dump.switches import strict_float32
 
         return dataclasses.replace(saved, precision=strict_float32())
 
@@ -244,7 +244,7 @@ class MsprobeRun:
 
     def _new_trend(self) -> None:
         if self.trend_steps:
-            from pytest_msprobe.dump.trend import TrendRecorder
+            from pytest_msprobe.dump.trend_recorder import TrendRecorder
 
             self.trend = TrendRecorder(self.trend_steps)
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from pytest_msprobe.compare.alignment.align import MAX_EDITS, align
 from pytest_msprobe.compare.alignment.editscript import myers as _myers
-from pytest_msprobe.compare.dumps.records import ApiEntry, flatten_entry
+from pytest_msprobe.compare.dumps.reader import ApiEntry, flatten_entry
 
 
 def entry(name: str, index: int = 0, shape: tuple[int, ...] = (4,), value: float = 1.0) -> ApiEntry:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pytest_msprobe.compare.alignment import align
 from pytest_msprobe.compare.alignment.interchange import input_distance
-from pytest_msprobe.compare.dumps.records import ApiEntry, flatten_entry
+from pytest_msprobe.compare.dumps.reader import ApiEntry, flatten_entry
 
 
 def stats(

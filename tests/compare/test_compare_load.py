@@ -11,7 +11,7 @@ import openpyxl
 import pytest
 from compare_helpers import DATA, dump_dir, rank_dir, tensor, write_dump
 
-from pytest_msprobe.compare.dumps.records import (
+from pytest_msprobe.compare.dumps.reader import (
     INPUT,
     NONE,
     OUTPUT,

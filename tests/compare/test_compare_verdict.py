@@ -12,7 +12,7 @@ from compare_helpers import tensor, write_dump
 
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.diagnosis import first_divergence
-from pytest_msprobe.compare.dumps.records import OUTPUT, Leaf, flatten_entry
+from pytest_msprobe.compare.dumps.reader import OUTPUT, Leaf, flatten_entry
 from pytest_msprobe.compare.judging import (
     ERROR,
     PASS,

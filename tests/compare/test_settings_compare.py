@@ -20,8 +20,8 @@ from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.checklist import compare_checklists
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.compare.thresholds import Thresholds
-from pytest_msprobe.format.checklist import CHECKLIST_JSON, read_checklist
-from pytest_msprobe.format.precision import policy_from_switches
+from pytest_msprobe.format.checklistfile import CHECKLIST_JSON, read_checklist
+from pytest_msprobe.format.numerics import policy_from_switches
 from pytest_msprobe.report.advisor import advisor_text
 from pytest_msprobe.report.html import html_fragment
 from pytest_msprobe.report.model import model_data

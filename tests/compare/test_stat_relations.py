@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from model_dumps import dump_model, perturb  # noqa: E402
 
 from pytest_msprobe.compare import compare  # noqa: E402
-from pytest_msprobe.compare.dumps.records import flatten_entry  # noqa: E402
+from pytest_msprobe.compare.dumps.reader import flatten_entry  # noqa: E402
 from pytest_msprobe.compare.judging.stat_relations import broken, floor, residuals  # noqa: E402
 from pytest_msprobe.report.advisor import advisor_text  # noqa: E402
 

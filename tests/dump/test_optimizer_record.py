@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pytest_msprobe import PrecisionDebugger
-from pytest_msprobe.format.optimizer import read_optimizer
+from pytest_msprobe.format.optimizerfile import read_optimizer
 
 
 class Net(nn.Module):

@@ -19,8 +19,8 @@ from torch import nn
 from pytest_msprobe import PrecisionDebugger, seed_all
 from pytest_msprobe.cli import main
 from pytest_msprobe.compare.judging import check_dump
+from pytest_msprobe.format.numerics import kind_of
 from pytest_msprobe.format.own_errors import CallOwn
-from pytest_msprobe.format.precision import kind_of
 from pytest_msprobe.replay.offline import replay_dump
 from tests.devices import Fault, Simulation, simulated_device, simulated_tf32  # noqa: F401 (a fixture)
 from tests.dump.self_check_sidecars import sidecar_calls

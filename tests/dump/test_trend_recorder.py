@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytest_msprobe.dump.trend import ROOT_MODULE, TrendRecorder
+from pytest_msprobe.dump.trend_recorder import ROOT_MODULE, TrendRecorder
 from pytest_msprobe.errors import ConfigError
 
 

@@ -215,7 +215,7 @@ def test_under_xdist_the_controller_writes_the_summary_of_every_worker(
     pytester.makeconftest(
         """
         import os
-        import pytest_msprobe.pytest.session as session
+        import pytest_msprobe.pytest.session_hooks as session
 
         _write = session.write_session_reports
         _role = []

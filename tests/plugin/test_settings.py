@@ -115,7 +115,7 @@ CNN_TEST = textwrap.dedent(
     import torch.nn.functional as F
 
     from pytest_msprobe.dump import precision
-    from pytest_msprobe.format.precision import CUDNN_TF32, TF32, Policy
+    from pytest_msprobe.format.numerics import CUDNN_TF32, TF32, Policy
 
 
     class Net(torch.nn.Module):

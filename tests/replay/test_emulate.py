@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from pytest_msprobe.errors import DumpFormatError
+from pytest_msprobe.format.numerics import BFLOAT16, FLOAT32, HF32, TF32, Policy
 from pytest_msprobe.format.own_errors import CallOwn, read_own_errors, write_own_errors
-from pytest_msprobe.format.precision import BFLOAT16, FLOAT32, HF32, TF32, Policy
 from pytest_msprobe.replay.emulate import (
     Emulation,
     Emulator,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pytest_msprobe.compare.checklist.diff import compare_checklists
 from pytest_msprobe.compare.checklist.differences import SETTING, ChecklistResult, Difference
 from pytest_msprobe.compare.checklist.from_records import from_records
-from pytest_msprobe.compare.checklist.settings import compared_calls, recorded_calls
+from pytest_msprobe.compare.checklist.setting_causes import compared_calls, recorded_calls
 
 __all__ = [
     "SETTING",

@@ -21,10 +21,10 @@ from pytest_msprobe.compare.checklist.differences import (
     same_value,
     value_text,
 )
-from pytest_msprobe.compare.checklist.settings import Calls, compare_settings
-from pytest_msprobe.compare.checklist.values import changed_outside, data_differences, tensor_differences
+from pytest_msprobe.compare.checklist.setting_causes import Calls, compare_settings
+from pytest_msprobe.compare.checklist.weights import changed_outside, data_differences, tensor_differences
 from pytest_msprobe.compare.thresholds import Thresholds
-from pytest_msprobe.format.checklist import read_checklist
+from pytest_msprobe.format.checklistfile import read_checklist
 
 # what is expected to differ between two device types (CUDA's against an NPU's, either against the CPU)
 _DEVICE_ENV_PREFIXES = (
@@ -239,7 +239,7 @@ def compare_checklists(
     ``breached``: the (step, rank) pairs whose calls breach; a buffer that differs as the next step starts is
     what those calls did (a batch norm's running statistics), already reported through them, not a drift.
     ``calls``: the calls where a differing numerics setting finds the first call it changes (see
-    :mod:`pytest_msprobe.compare.checklist.settings`).
+    :mod:`pytest_msprobe.compare.checklist.setting_causes`).
     A pair whose sides do not both have a checklist is not compared, and says why in ``unchecked`` (a plain
     msprobe dump has none); a checklist that is there but broken raises DumpFormatError naming it.
     """

@@ -1,7 +1,7 @@
 """The checklist compare: what differs between two runs before any operator is suspected.
 
 msprobe's guide starts every investigation here: most precision problems are not an operator's. Each dump pair's
-``checklist.json`` files (see :mod:`pytest_msprobe.format.checklist`) are compared, and every difference is one
+``checklist.json`` files (see :mod:`pytest_msprobe.format.checklistfile`) are compared, and every difference is one
 :class:`Difference` of a kind:
 
 - failures, named for what they are, and the first divergence when they come no later than the first breaching
@@ -9,7 +9,7 @@ msprobe's guide starts every investigation here: most precision problems are not
   optimizer's class or a param group's scalar, at the first step it differs), ``parameter`` and ``buffer``
   (its values at the start of a step), ``data`` (the step's input batch), ``setting`` (a numerics setting the
   two runs compute under differently: TF32, HF32, a reduced reduction, autocast, deterministic algorithms; at
-  the first call it changes, see :mod:`pytest_msprobe.compare.checklist.settings`);
+  the first call it changes, see :mod:`pytest_msprobe.compare.checklist.setting_causes`);
 - context, never a failure on its own: ``environment`` (a variable that changes numerics), ``version``,
   ``switch`` (torch's numeric switches, the seed, an optimizer's implementation flags, a setting that changes
   no recorded call); a difference expected between two device types (CUDA's versions and switches against an
@@ -30,8 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_msprobe.format.checklist import decode_number
-from pytest_msprobe.format.precision import ASPECT_OF_SWITCH, CONV, MATMUL, Policy
+from pytest_msprobe.format.checklistfile import decode_number
+from pytest_msprobe.format.numerics import ASPECT_OF_SWITCH, CONV, MATMUL, Policy
 
 STRUCTURE, HYPERPARAMETER, PARAMETER, BUFFER, DATA, SETTING = (
     "structure",

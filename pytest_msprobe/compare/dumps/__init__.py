@@ -11,7 +11,7 @@ from pytest_msprobe.compare.dumps.modules import (
     place_calls,
 )
 from pytest_msprobe.compare.dumps.optimizer import PARAM_IN, plan_updates
-from pytest_msprobe.compare.dumps.records import (
+from pytest_msprobe.compare.dumps.reader import (
     INPUT,
     NONE,
     OUTPUT,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pytest_msprobe.compare.dumps.records import Dump, read_helper_json, read_stack
+from pytest_msprobe.compare.dumps.reader import Dump, read_helper_json, read_stack
 from pytest_msprobe.format.layout import CONSTRUCT_JSON
 from pytest_msprobe.format.names import (
     BACKWARD,
@@ -45,7 +45,7 @@ from pytest_msprobe.format.names import (
     params_grad_module,
     parse_name,
 )
-from pytest_msprobe.format.optimizer import is_update
+from pytest_msprobe.format.optimizerfile import is_update
 
 ModulePath = tuple[str, ...]
 

@@ -6,7 +6,7 @@ torch's optimizers make other calls on other devices: one ``Tensor.*`` op per pa
 made on two devices then pair the model's calls and leave the optimizer's without partners. :func:`plan_updates`
 runs before the alignment of a dump pair and returns the entries to align:
 
-- each side's optimizer calls are found: from its ``optimizer.json`` (:mod:`pytest_msprobe.format.optimizer`),
+- each side's optimizer calls are found: from its ``optimizer.json`` (:mod:`pytest_msprobe.format.optimizerfile`),
   else construct.json's parent ``optimizer`` (level mix), else the stacks (torch.optim's code on them, see
   :func:`pytest_msprobe.compare.dumps.modules.optimizer_step_call`);
 - when both sides made the same calls (same names, same order) they pair call by call; where both sides have
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_msprobe.compare.dumps.modules import gradient_housekeeping, optimizer_step_call, read_construct
-from pytest_msprobe.compare.dumps.records import (
+from pytest_msprobe.compare.dumps.reader import (
     INPUT,
     TENSOR,
     ApiEntry,
@@ -44,10 +44,10 @@ from pytest_msprobe.compare.dumps.records import (
     read_stack,
 )
 from pytest_msprobe.errors import DumpFormatError, DumpReadError
-from pytest_msprobe.format.checklist import read_checklist
+from pytest_msprobe.format.checklistfile import read_checklist
 from pytest_msprobe.format.layout import CONSTRUCT_JSON
 from pytest_msprobe.format.names import BACKWARD, OPTIMIZER_NODE, parse_name
-from pytest_msprobe.format.optimizer import (
+from pytest_msprobe.format.optimizerfile import (
     FOREACH,
     FUSED,
     SINGLE_TENSOR,

@@ -3,7 +3,7 @@
 The pytest plugin runs it on a test's baseline before the test body, so that an unusable baseline is an ERROR
 of the test's setup rather than a failure after minutes of training; it must therefore be cheap. It walks
 every dump.json (and our sidecars beside it: checklist.json, optimizer.json) with the same record checks as
-:func:`~pytest_msprobe.compare.dumps.records.read_dump` but builds no rows (about half the cost), and opens every
+:func:`~pytest_msprobe.compare.dumps.reader.read_dump` but builds no rows (about half the cost), and opens every
 referenced tensor file only as far as its header (the pickle of a
 torch archive, the header of a .npy): never its values.
 
@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_msprobe.compare.dumps.records import (
+from pytest_msprobe.compare.dumps.reader import (
     MAX_DEPTH,
     Dump,
     check_document,
@@ -28,11 +28,11 @@ from pytest_msprobe.compare.dumps.records import (
 )
 from pytest_msprobe.compare.dumps.tensors import open_tensor
 from pytest_msprobe.errors import DumpFormatError
-from pytest_msprobe.format.checklist import read_checklist
+from pytest_msprobe.format.checklistfile import read_checklist
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.layout import DumpLocation, discover
 from pytest_msprobe.format.names import is_parameters_grad
-from pytest_msprobe.format.optimizer import optimizer_path, read_optimizer
+from pytest_msprobe.format.optimizerfile import optimizer_path, read_optimizer
 
 # the keys of an entry whose values are rows (as flatten_entry reads them)
 _ROW_KEYS = ("input_args", "input_kwargs", "input", "parameters", "output")
@@ -109,7 +109,7 @@ def _problem(name: str, body: Any, exc: BaseException) -> str:
 
 
 def _scan_entry(name: str, body: Any, tensors: list[_Tensor], md5: list[bool]) -> None:
-    """:func:`~pytest_msprobe.compare.dumps.records.flatten_entry`'s walk, checking records and building no rows
+    """:func:`~pytest_msprobe.compare.dumps.reader.flatten_entry`'s walk, checking records and building no rows
     (``md5`` gets an item when a record carries a CRC)."""
     if type(body) is not dict:
         raise ValueError(f"{name}: entry is not an object")

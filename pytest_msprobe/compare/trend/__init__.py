@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pytest_msprobe.compare.trend.compare import compare_trends
-from pytest_msprobe.compare.trend.result import GRAD_NORM, LOSS, TrendResult, TrendRow, tolerance_text
+from pytest_msprobe.compare.trend.outcome import GRAD_NORM, LOSS, TrendResult, TrendRow, tolerance_text
 
 __all__ = [
     "GRAD_NORM",

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from pytest_msprobe.compare.thresholds import DEFAULT_DTYPE_TOLERANCES, normalize_dtype
-from pytest_msprobe.compare.trend.result import GRAD_NORM, LOSS, TrendResult, TrendRow
+from pytest_msprobe.compare.trend.outcome import GRAD_NORM, LOSS, TrendResult, TrendRow
 from pytest_msprobe.format.trendfile import TrendData
 
 SPIKE = 10.0  # a gradient norm this many times the median of the earlier steps is a spike

@@ -1,13 +1,13 @@
 """The numerics settings in the checklist compare: a setting the two runs compute under differently is a cause
 with a name, at the first call it changes.
 
-Each side's settings are compared by what they do on its device (:func:`pytest_msprobe.format.precision.
+Each side's settings are compared by what they do on its device (:func:`pytest_msprobe.format.numerics.
 setting_states`), not by the raw flags: a CPU run's ``cudnn.allow_tf32`` changes nothing (the CPU has none), a
 CUDA run's TF32 convolutions against a CPU run's float32 ones differ. A setting that differs is
 
 - a failure (kind ``setting``), placed at the first call it changes: the earliest compared call, in execution
   order, of the kind it governs (convolutions, matmuls, half-type matmuls, autocast's calls, the
-  nondeterministic ones; :data:`pytest_msprobe.format.precision.CALLS`) with tensors of the dtype it changes;
+  nondeterministic ones; :data:`pytest_msprobe.format.numerics.CALLS`) with tensors of the dtype it changes;
 - context marked ``expected`` where both runs compute a kind of call in a reduced format of their own device
   (CUDA's TF32 against the NPU's HF32, each opted in), or where a switch of how kernels compute (deterministic
   algorithms, cuDNN's deterministic and benchmark, cuBLAS's reduced reductions of half-type matmuls) differs
@@ -29,7 +29,7 @@ from pytest_msprobe.compare.dumps import TENSOR, Leaf, read_dump
 from pytest_msprobe.compare.judging import UNMATCHED, ApiResult, RowResult
 from pytest_msprobe.compare.thresholds import FLOATING, normalize_dtype
 from pytest_msprobe.format.layout import DumpLocation
-from pytest_msprobe.format.precision import (
+from pytest_msprobe.format.numerics import (
     CALLS,
     Aspect,
     Policy,

@@ -11,9 +11,9 @@ from typing import Any
 
 from pytest_msprobe.compare.checklist.differences import DATA, Difference, same_value, value_text
 from pytest_msprobe.compare.thresholds import Thresholds
-from pytest_msprobe.format.checklist import TAKEN_AT_OPTIMIZER, decode_number
+from pytest_msprobe.format.checklistfile import TAKEN_AT_OPTIMIZER, decode_number
 from pytest_msprobe.format.files import read_json
-from pytest_msprobe.format.optimizer import read_optimizer
+from pytest_msprobe.format.optimizerfile import read_optimizer
 
 _STATS = ("min", "max", "mean", "norm")
 

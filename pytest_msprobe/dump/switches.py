@@ -1,5 +1,5 @@
 """torch's numeric switches as this process has them, and the numerics policy they give (see
-:mod:`pytest_msprobe.format.precision`; the rounding that emulates a reduced format is the replay's,
+:mod:`pytest_msprobe.format.numerics`; the rounding that emulates a reduced format is the replay's,
 :func:`pytest_msprobe.replay.emulate.round_mantissa`).
 
 - :func:`switches`: every switch that changes the numbers of a float32 run (what the checklist records);
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pytest_msprobe.dump import determinism
-from pytest_msprobe.format.precision import Policy, device_type, policy_from_switches
+from pytest_msprobe.format.numerics import Policy, device_type, policy_from_switches
 
 __all__ = [
     "autocast_dtype",

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pytest_msprobe.dump import precision
-from pytest_msprobe.format.precision import (
+from pytest_msprobe.dump import switches
+from pytest_msprobe.format.numerics import (
     CUDA_MATMUL_PRECISION,
     CUDNN_TF32,
     MATMUL_PRECISION,
@@ -40,7 +40,7 @@ def defaults() -> Iterator[None]:
 
 def test_strict_float32_switches_tf32_off_and_puts_every_switch_back() -> None:
     torch.set_float32_matmul_precision("high")
-    restore = precision.strict_float32()
+    restore = switches.strict_float32()
     assert torch.backends.cudnn.allow_tf32 is False
     assert torch.backends.cuda.matmul.allow_tf32 is False
     assert torch.get_float32_matmul_precision() == "highest"
@@ -53,21 +53,21 @@ def test_strict_float32_switches_tf32_off_and_puts_every_switch_back() -> None:
 def test_a_medium_matmul_precision_comes_back_medium() -> None:
     # allow_tf32 follows the precision: setting it after the precision turned "medium" into another state
     torch.set_float32_matmul_precision("medium")
-    precision.strict_float32()()
+    switches.strict_float32()()
     assert torch.get_float32_matmul_precision() == "medium"
 
 
 @needs_names
 def test_switches_set_through_fp32_precision_names_are_read_and_put_back() -> None:
     torch.backends.cuda.matmul.fp32_precision = "tf32"  # torch now refuses to read allow_tf32
-    found = precision.switches()
+    found = switches.switches()
     assert found["cuda.matmul.allow_tf32"] is None and found["float32_matmul_precision"] is None
     assert found["cuda.matmul.fp32_precision"] == "tf32"
     policy = policy_from_switches("cuda", found)
     assert (policy.matmul, policy.matmul_setting) == (TF32, (CUDA_MATMUL_PRECISION, "tf32"))
-    restore = precision.strict_float32()
+    restore = switches.strict_float32()
     assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
-    assert precision.switches()["cuda.matmul.fp32_precision"] != "tf32"
+    assert switches.switches()["cuda.matmul.fp32_precision"] != "tf32"
     restore()
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
 
@@ -75,9 +75,9 @@ def test_switches_set_through_fp32_precision_names_are_read_and_put_back() -> No
 @needs_names
 def test_a_reduced_onednn_convolution_is_switched_off_and_back() -> None:
     torch.backends.mkldnn.conv.fp32_precision = "bf16"
-    assert policy_from_switches("cpu", precision.switches()).conv == "bfloat16"
-    restore = precision.strict_float32()
-    assert policy_from_switches("cpu", precision.switches()).conv == "float32"
+    assert policy_from_switches("cpu", switches.switches()).conv == "bfloat16"
+    restore = switches.strict_float32()
+    assert policy_from_switches("cpu", switches.switches()).conv == "float32"
     restore()
     assert torch.backends.mkldnn.conv.fp32_precision == "bf16"
 

@@ -14,17 +14,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pytest_msprobe.dump.config import DumpConfig
+from pytest_msprobe.dump.entries import Values
 from pytest_msprobe.dump.selection import Selector
 from pytest_msprobe.dump.stack import StackTable
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.threads import is_foreign_thread, owns_backward
-from pytest_msprobe.dump.values import Values
 from pytest_msprobe.format.names import OPTIMIZER_NODE, CallCounter, backward_of
 
 _T = TypeVar("_T")
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pytest_msprobe.dump.self_check import SelfCheck
+    from pytest_msprobe.dump.live_replay import SelfCheck
 
 _get_ident = threading.get_ident
 

@@ -6,7 +6,7 @@ float64, other tensors to the CPU, other values as they are. After it, the call 
 with torch's own function (:mod:`pytest_msprobe.replay.pristine`, whatever stands in torch's namespaces now)
 and each floating output is judged against it by the standard of :mod:`pytest_msprobe.replay.standard`. The
 arguments and outputs go through the same two steps as a tensor dump replayed offline (the dump's JSON form of
-them, :class:`~pytest_msprobe.dump.values.Values`, then the replay's rebuild of that form): online and offline
+them, :class:`~pytest_msprobe.dump.entries.Values`, then the replay's rebuild of that form): online and offline
 give the same verdicts, and skip the same calls for the same reasons.
 
 **The declared precision.** The replay emulates what the device declares (:mod:`pytest_msprobe.replay.emulate`):
@@ -36,17 +36,24 @@ import torch
 
 from pytest_msprobe.dump import ops
 from pytest_msprobe.dump.config import DumpConfig
-from pytest_msprobe.dump.precision import autocast_dtype
+from pytest_msprobe.dump.entries import Values
 from pytest_msprobe.dump.stats import StatEngine, dtype_name
-from pytest_msprobe.dump.values import Values
+from pytest_msprobe.dump.switches import autocast_dtype
 from pytest_msprobe.format.names import BACKWARD, FORWARD, MODULE_PREFIX, parse_name
+from pytest_msprobe.format.numerics import Policy
 from pytest_msprobe.format.own_errors import CallOwn
-from pytest_msprobe.format.precision import Policy
 from pytest_msprobe.replay.apis import Target, draws, resolve
+from pytest_msprobe.replay.arguments import (
+    Unreplayable,
+    as_leaf,
+    flat,
+    is_tensor_node,
+    raised,
+    rebuild_inputs,
+)
 from pytest_msprobe.replay.backward import judge_gradients, node_gradients, run_call
 from pytest_msprobe.replay.emulate import Emulator, emulation_for, emulator
 from pytest_msprobe.replay.offline import judge_forward
-from pytest_msprobe.replay.values import Unreplayable, as_leaf, flat, is_tensor_node, raised, rebuild_inputs
 
 _CPU = torch.device("cpu")
 _F64 = torch.float64
