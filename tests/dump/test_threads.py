@@ -328,4 +328,6 @@ def test_threads_that_python_did_not_start_pass_through_outside_a_backward(tmp_p
 @pytest.fixture(autouse=True)
 def _no_thread_left() -> Iterator[None]:
     yield
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("pytest-msprobe")]
+    # the replay's judge pool lives as long as the process (an earlier test of this worker may have started it)
+    left = [t.name for t in threading.enumerate() if t.name.startswith("pytest-msprobe")]
+    assert not [name for name in left if not name.startswith("pytest-msprobe-judge")], left
