@@ -62,6 +62,7 @@ RUN_KEY: pytest.StashKey[MsprobeRun] = (
 )  # the item's run, behind the fixture's MsprobeFixture
 OUTCOME_KEY: pytest.StashKey[Outcome] = pytest.StashKey()  # what finishing the item's run found
 LINKS_KEY = pytest.StashKey[Links]()  # how the pytest-html extras link the report files
+ROOT_NOTE_KEY = pytest.StashKey[str]()  # a baseline folder that does not exist yet, said before any test runs
 # junitxml property: the baseline a test used (a property name that is the ini key's word, not the ini key)
 BASELINE_PROPERTY = "msprobe_baseline"
 REASON = "msprobe_reason"  # user property: one line, why a test that compared nothing failed or errored
@@ -91,7 +92,9 @@ def pytest_configure(config: pytest.Config) -> None:
         if spec is None and session.baseline is not None and not hasattr(config, "workerinput"):
             # before any test trains (once, by the process that holds the session)
             compare = not (session.regen or session.report_only)  # report-only records a missing baseline
-            check_baseline_root(session.baseline, config.rootpath, compare)
+            note = check_baseline_root(session.baseline, config.rootpath, compare)
+            if note is not None:
+                config.stash[ROOT_NOTE_KEY] = note
         if spec is None and config.stash[SESSION_KEY].active:
             _refuse_external_ranks(os.environ)
         if spec is not None:
@@ -309,6 +312,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         item.user_properties.append((VERDICT, "error"))
         item.user_properties.append((REASON, problem))
         pytest.fail(f"msprobe: {problem}", pytrace=False)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    note = config.stash.get(ROOT_NOTE_KEY, None)
+    return [] if note is None else [f"msprobe: {note}"]
 
 
 @pytest.hookimpl(wrapper=True)

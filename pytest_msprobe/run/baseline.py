@@ -141,12 +141,13 @@ def _names_a_test(relative: Path, rootdir: Path) -> bool:
     )
 
 
-def check_baseline_root(root: Path, rootdir: Path, compare: bool) -> None:
+def check_baseline_root(root: Path, rootdir: Path, compare: bool) -> str | None:
     """Refuse, before any test trains, a baseline root that cannot be the one meant: one test's own baseline
     folder (each test's folder would be looked for, or written, inside it), or, when comparing, a folder that
     does not exist where a sibling has a close name or its parent is missing too (a mistyped path: every test
     would train and then miss its baseline). A new folder beside existing ones is left to the tests, each of
-    which reports its missing baseline with the command that writes it; ``rootdir`` is where test ids start.
+    which reports its missing baseline with the command that writes it; for it this returns the line that
+    says so before any test trains (None for a root that exists). ``rootdir`` is where test ids start.
     """
     root = Path(os.path.abspath(root))
     held = [name for name in ("step0", MANIFEST_NAME, "dump.json") if (root / name).exists()]
@@ -158,7 +159,7 @@ def check_baseline_root(root: Path, rootdir: Path, compare: bool) -> None:
             f"would be looked for inside it: give the folder that holds all the tests' baselines, {above}?"
         )
     if not compare or root.exists():
-        return
+        return None
     existing = next(a for a in root.parents if a.is_dir())
     first, *rest = root.relative_to(existing).parts
     try:
@@ -171,10 +172,20 @@ def check_baseline_root(root: Path, rootdir: Path, compare: bool) -> None:
     elif existing != root.parent:
         hint = f"the nearest folder that exists is {existing}"
     else:
-        return
+        return (
+            f"the baseline folder {root} does not exist (beside it: {_some(siblings)}): every msprobe test "
+            f"will report its baseline missing; to write them there, add {REGEN.flag}"
+        )
     raise ConfigError(
         f"the baseline folder {root} does not exist; {hint} (to write new baselines there, add {REGEN.flag})"
     )
+
+
+def _some(names: list[str], most: int = 5) -> str:
+    if not names:
+        return "no folder"
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:

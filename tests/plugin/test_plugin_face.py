@@ -95,6 +95,28 @@ def test_a_new_baseline_folder_is_left_to_the_regeneration_and_to_report_only(
     lenient.stdout.fnmatch_lines(["MISSING (report-only: not failing the test)*"])
 
 
+def test_a_new_baseline_folder_beside_others_is_said_before_the_tests_run(
+    pytester: pytest.Pytester, train_test
+) -> None:
+    train_test()
+    (pytester.path / "baselines").mkdir()
+    result = pytester.runpytest(*BASE, "--msprobe-baseline=gpu_dump")
+    result.assert_outcomes(failed=1)
+    header = (
+        f"msprobe: the baseline folder {pytester.path / 'gpu_dump'} does not exist (beside it: baselines): "
+        "every msprobe test will report its baseline missing; to write them there, add --msprobe-regen-baseline"
+    )
+    lines = result.stdout.lines
+    assert header in lines, result.stdout.str()
+    assert lines.index(header) < next(i for i, line in enumerate(lines) if line.startswith("test_train.py"))
+    result.stdout.fnmatch_lines(["*no baseline for this test at*gpu_dump*"])
+    # the folder once written, nothing more is said
+    pytester.runpytest(*BASE, "--msprobe-baseline=gpu_dump", "--msprobe-regen-baseline").assert_outcomes(passed=1)
+    again = pytester.runpytest(*BASE, "--msprobe-baseline=gpu_dump")
+    again.assert_outcomes(passed=1)
+    assert not [line for line in again.stdout.lines if line.startswith("msprobe: the baseline folder")]
+
+
 def test_one_tests_own_baseline_folder_as_the_root_names_the_root(
     pytester: pytest.Pytester, train_test
 ) -> None:
