@@ -71,7 +71,7 @@ def test_the_shipped_cpu_baseline_passes(tmp_path: Path) -> None:
     assert f"PASSED       {NODE}" in run.stdout
 
 
-def test_regenerate_then_pass_then_a_faulty_relu_fails_with_the_relu_named(tmp_path: Path) -> None:
+def test_regenerate_then_a_faulty_relu_fails_with_the_relu_named(tmp_path: Path) -> None:
     baselines = tmp_path / "baselines"
     missing = _pytest(tmp_path, f"--msprobe-baseline={baselines}")
     assert missing.returncode == 1 and " error" not in missing.stdout.splitlines()[-1]
@@ -83,9 +83,7 @@ def test_regenerate_then_pass_then_a_faulty_relu_fails_with_the_relu_named(tmp_p
     assert "1 baseline(s) written to" in regen.stdout
     assert (baselines / FOLDER / "step1" / "rank" / "dump.json").is_file()
 
-    again = _pytest(tmp_path, f"--msprobe-baseline={baselines}")
-    assert again.returncode == 0, again.stdout + again.stderr
-
+    # the fresh baseline is read and compared: the fault alone is named (a pass is the shipped baseline's test)
     html = tmp_path / "report.html"
     fail = _pytest(tmp_path, f"--msprobe-baseline={baselines}", f"--html={html}", fault=True)
     assert fail.returncode == 1, fail.stdout + fail.stderr
