@@ -114,7 +114,7 @@ CNN_TEST = textwrap.dedent(
     import torch
     import torch.nn.functional as F
 
-    from pytest_msprobe.dump import precision
+    from pytest_msprobe.dump import switches
     from pytest_msprobe.format.numerics import CUDNN_TF32, TF32, Policy
 
 
@@ -132,7 +132,7 @@ CNN_TEST = textwrap.dedent(
     def test_train(msprobe, monkeypatch):
         if os.environ.get("FAKE_CUDA_TF32"):
             cuda = Policy("cuda", conv=TF32, conv_setting=(CUDNN_TF32, "True"))
-            monkeypatch.setattr(precision, "current_policy", lambda device, found=None: cuda)
+            monkeypatch.setattr(switches, "current_policy", lambda device, found=None: cuda)
         model = Net().to(msprobe.device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(0)
