@@ -12,7 +12,7 @@
 - :mod:`.entries`: arguments and outputs as msprobe writes them; :mod:`.stats` and :mod:`.reductions`: tensor
   statistics on the device, batched into one transfer per step; :mod:`.ops`: the torch functions they call;
 - :mod:`.stack`, :mod:`.writer`, :mod:`.signals`: call stacks, the files, sections a signal must not cut;
-- :mod:`.live_replay`: each API call replayed in float64 as it returns, its own error in ``self_check.json``
+- :mod:`.online_self_check`: each API call replayed in float64 as it returns, its own error in ``self_check.json``
   (through :mod:`pytest_msprobe.replay`).
 
 Names and file layout are msprobe's, from :mod:`pytest_msprobe.format`. This package imports torch;

@@ -10,7 +10,7 @@ An output whose node is one an input already had before the call (``x.float()`` 
 ``contiguous()`` returning ``self``) gets no backward record: that node belongs to an earlier call.
 
 **Self-check** (``config.self_check``): the call's inputs are copied before it runs and the call is handed to
-:class:`~pytest_msprobe.dump.live_replay.SelfCheck` after, which replays and judges it; its backward record hands
+:class:`~pytest_msprobe.dump.online_self_check.SelfCheck` after, which replays and judges it; its backward record hands
 the gradients in and out to it when written. Without it, the check costs one attribute read per call.
 
 ``api_call`` runs for every captured call, so it is written for speed: it makes no Python call beyond those its
@@ -27,7 +27,7 @@ import torch
 from pytest_msprobe.dump.autograd import BackwardRecord, input_nodes
 from pytest_msprobe.dump.config import DumpConfig
 from pytest_msprobe.dump.entries import iter_tensors
-from pytest_msprobe.dump.live_replay import SelfCheck
+from pytest_msprobe.dump.online_self_check import SelfCheck
 from pytest_msprobe.dump.stats import StatEngine
 from pytest_msprobe.dump.step_records import StepRecords, backward_parent
 from pytest_msprobe.dump.threads import slot

@@ -24,7 +24,7 @@ from pytest_msprobe.format.names import OPTIMIZER_NODE, CallCounter, backward_of
 _T = TypeVar("_T")
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pytest_msprobe.dump.live_replay import SelfCheck
+    from pytest_msprobe.dump.online_self_check import SelfCheck
 
 _get_ident = threading.get_ident
 

@@ -111,7 +111,9 @@ def test_a_new_baseline_folder_beside_others_is_said_before_the_tests_run(
     assert lines.index(header) < next(i for i, line in enumerate(lines) if line.startswith("test_train.py"))
     result.stdout.fnmatch_lines(["*no baseline for this test at*gpu_dump*"])
     # the folder once written, nothing more is said
-    pytester.runpytest(*BASE, "--msprobe-baseline=gpu_dump", "--msprobe-regen-baseline").assert_outcomes(passed=1)
+    pytester.runpytest(*BASE, "--msprobe-baseline=gpu_dump", "--msprobe-regen-baseline").assert_outcomes(
+        passed=1
+    )
     again = pytester.runpytest(*BASE, "--msprobe-baseline=gpu_dump")
     again.assert_outcomes(passed=1)
     assert not [line for line in again.stdout.lines if line.startswith("msprobe: the baseline folder")]
