@@ -1,9 +1,14 @@
-"""The processes a test started and left behind (Linux /proc), for the tests of rank launchers."""
+"""The processes a test starts: the arguments of the pytest runs it starts, and what it left behind (Linux
+/proc), for the tests of rank launchers."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+# hypothesis's pytest plugin imports the whole of hypothesis at the end of every session (0.8 s a process); the
+# pytest runs the tests start use none of it
+NO_HYPOTHESIS = ("-p", "no:hypothesispytest")
 
 
 def children() -> list[int]:

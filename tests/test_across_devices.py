@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from processes import NO_HYPOTHESIS
 
 from pytest_msprobe.compare.diagnosis import ENTERS, INCONSISTENT, OUT_OF_LINE
 from pytest_msprobe.compare.run import compare
@@ -80,7 +81,7 @@ def run_example(tmp_path_factory: pytest.TempPathFactory) -> Run:
             env["INJECT_FAULT"] = fault
             args += ["-p", "faults_plugin"]
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "examples/resnet50", "-p", "no:cacheprovider", *args,
+            [sys.executable, "-m", "pytest", "examples/resnet50", "-p", "no:cacheprovider", *NO_HYPOTHESIS, *args,
              f"--msprobe-baseline={ROOT / 'examples/resnet50/baselines/cpu'}", f"--msprobe-output={out}",
              "--msprobe-keep-dumps", *extra],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,

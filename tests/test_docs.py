@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from processes import NO_HYPOTHESIS
 
 from pytest_msprobe.options import OPTIONS
 
@@ -108,7 +109,15 @@ def test_the_readmes_first_test_runs_as_it_is(pytester: pytest.Pytester) -> None
     assert match, "the README has no first test starting '# test_<name>.py'"
     source, name = match.group(1), match.group(2)
     pytester.makepyfile(**{name: source})
-    args = ["-p", "no:cacheprovider", "-p", "no:randomly", f"{name}.py", "--msprobe-baseline=baselines"]
+    args = [
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+        *NO_HYPOTHESIS,
+        f"{name}.py",
+        "--msprobe-baseline=baselines",
+    ]
     pytester.runpytest_subprocess(*args, "--msprobe-regen-baseline").assert_outcomes(passed=1)
     assert (pytester.path / "baselines" / name).is_dir()
     pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from processes import NO_HYPOTHESIS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "examples" / "ddp" / "baselines" / "cpu"
@@ -48,7 +49,18 @@ def _pytest(tmp_path: Path, *args: str, fault: bool = False) -> subprocess.Compl
         (tmp_path / "rank1_fault.py").write_text(RANK1_FAULT)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH", "")) if p)
         args = ("-p", "rank1_fault", *args)
-    cmd = [sys.executable, "-m", "pytest", "examples/ddp", "-p", "no:cacheprovider", "-p", "no:xdist", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "examples/ddp",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        *NO_HYPOTHESIS,
+        *args,
+    ]
     cmd += [f"--msprobe-baseline={SHIPPED}", f"--msprobe-output={tmp_path / 'out'}"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from processes import NO_HYPOTHESIS
 
 pytestmark = pytest.mark.slow  # ResNet50 training steps in subprocesses
 
@@ -57,6 +58,7 @@ def _pytest(tmp_path: Path, *args: str, fault: bool = False) -> subprocess.Compl
         "no:cacheprovider",
         "-p",
         "no:xdist",
+        *NO_HYPOTHESIS,
         *args,
     ]
     cmd += [f"--msprobe-output={tmp_path / 'out'}"]

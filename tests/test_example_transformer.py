@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import NO_HYPOTHESIS
 
 pytestmark = pytest.mark.slow  # whole pytest runs of the example, one per fault
 
@@ -25,7 +26,17 @@ def _pytest(tmp_path: Path, *args: str, fault: str = "") -> subprocess.Completed
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p)
         env["INJECT_FAULT"], env["INJECT_FAULT_LOG"] = fault, str(tmp_path / "fired.json")
         args = ("-p", "faults_plugin", *args)
-    cmd = [sys.executable, "-m", "pytest", "examples/transformer", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "examples/transformer",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        *NO_HYPOTHESIS,
+    ]
     cmd += [*args, f"--msprobe-baseline={SHIPPED}", f"--msprobe-output={tmp_path / 'out'}"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 

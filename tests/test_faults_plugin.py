@@ -15,6 +15,7 @@ from types import ModuleType
 import pytest
 import torch
 import torch.nn.functional as F
+from processes import NO_HYPOTHESIS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,7 +152,17 @@ def test_a_fault_that_never_fires_fails_the_run(tmp_path: Path) -> None:
     env = {**os.environ, "INJECT_FAULT": "op:Functional.linear.2"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p)
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "faults_plugin", "-p", "no:cacheprovider", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "faults_plugin",
+            "-p",
+            "no:cacheprovider",
+            *NO_HYPOTHESIS,
+            str(tmp_path),
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -216,7 +216,17 @@ def test_options_declared_through_pytest(tmp_path: Path) -> None:
     )
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)]
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:hypothesispytest",
+        str(tmp_path),
+    ]
     ok = subprocess.run(
         [*args, "--msprobe-rtol", "2e-4", "--msprobe-api-rtol", "Functional.softmax.*=1e-3"],
         capture_output=True,

@@ -10,8 +10,11 @@ from __future__ import annotations
 import re
 import textwrap
 
-# No cache written into the pytester folder, no plugin reordering or reseeding the tests of a run.
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
+# No cache written into the pytester folder, no plugin reordering or reseeding the tests of a run, and not
+# hypothesis's plugin, which imports the whole of hypothesis at the end of every session (0.8 s in each pytest
+# process a test starts: its rank processes and xdist workers too); none of these runs uses it.
+NO_HYPOTHESIS = ["-p", "no:hypothesispytest"]
+BASE = ["-p", "no:cacheprovider", "-p", "no:randomly", *NO_HYPOTHESIS]
 
 
 def net_source(*, bn: bool = True, relu_module: bool = False, conv2: bool = True) -> str:

@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from plugin_sources import BASE
 
 import pytest_msprobe
-
-BASE = ["-p", "no:cacheprovider", "-p", "no:randomly"]
 
 FACE_TEST = """
 import pytest
