@@ -74,12 +74,8 @@ def test_the_shipped_cpu_baseline_passes(tmp_path: Path) -> None:
 
 
 def test_regenerate_then_a_faulty_relu_fails_with_the_relu_named(tmp_path: Path) -> None:
+    # (a first run without a baseline, MISSING with the command that writes it, is the workflow tests' part)
     baselines = tmp_path / "baselines"
-    missing = _pytest(tmp_path, f"--msprobe-baseline={baselines}")
-    assert missing.returncode == 1 and " error" not in missing.stdout.splitlines()[-1]
-    assert f"no baseline for this test at {baselines / FOLDER}" in missing.stdout
-    assert "--msprobe-regen-baseline" in missing.stdout
-
     regen = _pytest(tmp_path, f"--msprobe-baseline={baselines}", "--msprobe-regen-baseline")
     assert regen.returncode == 0, regen.stdout + regen.stderr
     assert "1 baseline(s) written to" in regen.stdout

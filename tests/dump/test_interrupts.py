@@ -229,7 +229,7 @@ def _interrupt_runs(tmp_path: Path) -> None:
         windows[task, level] = _windows(runs[1:])  # the first warms up
     rng = random.Random(int(os.environ.get("MSPROBE_INTERRUPT_SEED", "20240611")))
     landed: Counter[str] = Counter()
-    n_runs = 150
+    n_runs = 90  # each phase is chosen about 13 times
     written = 0
     for i in range(n_runs):
         task, level = CASES[i % len(CASES)]
