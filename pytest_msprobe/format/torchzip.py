@@ -23,7 +23,7 @@ import zipfile
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -62,15 +62,17 @@ class _DType:
     name: str
 
 
-@dataclass(frozen=True)
-class _StorageRef:
+class _StorageRef(NamedTuple):
+    """A storage a tensor's pickle names: its key in the zip's data/ folder, dtype and size."""
+
     key: str
     dtype: str | None
     numel: int  # elements for a typed storage, bytes for an untyped one
 
 
-@dataclass(frozen=True)
-class _TensorSpec:
+class _TensorSpec(NamedTuple):
+    """A tensor as its pickle rebuilds it: a view (offset, shape, stride) of one storage."""
+
     storage: _StorageRef
     dtype: str
     offset: int
