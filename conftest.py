@@ -3,7 +3,7 @@
 The whole suite, run as the README says (a bare `pytest`, tests from testpaths), runs on every core with
 pytest-xdist; a run naming its tests (`pytest tests/plugin/test_trend.py`) stays in one process, and `-n 0` or
 `-p no:xdist` keeps any run there (for --pdb, print debugging). `pytest -m "not slow"` leaves out the tests that
-take over ~20 s (marked `slow`) for a quick loop; CI runs them all.
+take about 10 s or more (marked `slow`) for a quick loop; CI runs them all.
 
 Two guards for the whole suite, so that one broken test stays one failure:
 

@@ -102,6 +102,7 @@ def test_getting_started_shows_the_readme_set_up_commands() -> None:
         assert command in guide, f"docs/getting-started.md lacks the README's command: {command}"
 
 
+@pytest.mark.slow
 def test_the_readmes_first_test_runs_as_it_is(pytester: pytest.Pytester) -> None:
     """The README's first test, copied as a newcomer would, writes its baseline and then compares green."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")

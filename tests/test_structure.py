@@ -140,3 +140,16 @@ def test_test_modules_have_basenames_of_their_own() -> None:
         if "data" not in path.relative_to(tests).parts:
             names.setdefault(path.name, []).append(str(path.relative_to(tests)))
     assert not {name: where for name, where in names.items() if len(where) > 1}
+
+
+def test_no_test_module_shares_its_name_with_a_module_a_pytester_run_writes() -> None:
+    """pytest imports test modules by basename: a worker that imported tests/x/test_a.py refuses a pytester
+    run's own test_a.py (and the other way round)."""
+    tests = Path(__file__).resolve().parent
+    ours = {path.stem for path in tests.rglob("test_*.py")}
+    written = {
+        name
+        for path in tests.rglob("*.py")
+        for name in re.findall(r"makepyfile\(\s*(test_\w+)\s*=", path.read_text(encoding="utf-8"))
+    }
+    assert not ours & written, sorted(ours & written)

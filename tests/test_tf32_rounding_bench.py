@@ -6,11 +6,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_on_the_cpu_only_the_unrounded_replay_matches() -> None:
     spec = importlib.util.spec_from_file_location("tf32_rounding", ROOT / "bench" / "tf32_rounding.py")
     assert spec is not None and spec.loader is not None

@@ -160,6 +160,7 @@ for t, b in zip(sys.argv[1::2], sys.argv[2::2]):
 """
 
 
+@pytest.mark.slow
 def test_the_hash_seed_changes_nothing(wide: tuple[Path, Path]) -> None:
     """Sets of strings iterate in another order in every process (PYTHONHASHSEED): two processes with other
     seeds make the same compares, in two processes each (the pairs' worker processes inherit the seed)."""

@@ -23,6 +23,7 @@ from pytest_msprobe.compare.judging import ERROR, PASS, WARNING
 TRANSFORMER = {"width": 64, "layers": 3, "seed": 2}
 
 
+@pytest.mark.slow
 def test_float64_matmul_passes_every_step_of_a_transformer(dumps: Callable[..., Path]) -> None:
     baseline = dumps("transformer", **TRANSFORMER)
     result = compare(dumps("transformer-f64", variant=float64_matmul, **TRANSFORMER), baseline, jobs=1)
@@ -48,6 +49,7 @@ def test_float64_matmul_passes_a_cnn(dumps: Callable[..., Path]) -> None:
     assert all(a.status == PASS for a in result.apis if a.api.startswith("Functional.linear."))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "options", "api", "call"),
     [

@@ -300,6 +300,7 @@ def test_a_large_tensors_statistics_do_not_depend_on_torchs_thread_count(dtype: 
         assert norm == pytest.approx(exact.norm().item(), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_the_norm_and_mean_of_a_100m_element_tensor_are_within_1e_6_of_float64() -> None:
     """Where float32 accumulation fails most: 1e8 elements (torch's float32 CPU norm was 1% off here)."""
     g = torch.Generator().manual_seed(7)
@@ -403,6 +404,7 @@ for name, build in make.items():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident high-water mark"
 )
