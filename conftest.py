@@ -32,8 +32,10 @@ EXIT_GRACE_S = 300.0
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    """A bare `pytest` gets `-n auto`, so that every core of CI's machine runs tests. Runs before xdist's own
-    hook (registered later, called first), so xdist turns it into workers as if it had been typed."""
+    """A bare `pytest` gets `-n auto --dist worksteal`, so that every core of CI's machine runs tests. Runs
+    before xdist's own hook (registered later, called first), so xdist turns it into workers as if it had been
+    typed. Work stealing: a worker that has run its share takes tests still waiting for the others, so the run
+    does not end on one worker working through the long tests it was dealt at the start."""
     if (
         config.args_source is pytest.Config.ArgsSource.TESTPATHS
         and config.pluginmanager.hasplugin("xdist")
@@ -42,6 +44,8 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         and not config.option.tx
     ):
         config.option.numprocesses = "auto"
+        if config.option.dist == "no":
+            config.option.dist = "worksteal"
 
 
 def _dump_leftovers() -> list[str]:
@@ -81,13 +85,36 @@ def _one_test_leaks_into_no_other() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist, the modules holding slow tests go first (each module kept whole, in its own order): the long
-    tests are dealt out to the workers at the start, and the run does not end on one worker finishing a long
-    test while the others idle. Every worker sorts alike, as xdist needs; a run in one process keeps its order."""
+    """Under xdist, the order that deals the long tests out evenly: work stealing hands each worker a run of
+    consecutive tests at the start (the first of them to the first worker, and so on), so the modules holding
+    slow tests (each module kept whole, in its own order) are shared out among those runs, each to the run with
+    the fewest slow tests so far, and each run begins with its share; the other tests fill the runs up in their order. The long tests
+    start early on every worker, and stealing evens out the rest. Every worker sorts alike, as xdist needs; a run
+    in one process keeps its order."""
     if not hasattr(config, "workerinput"):
         return
-    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow)
+    workers = max(1, int(config.workerinput.get("workercount", 1)))
+    modules: dict[object, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    weight = {
+        path: sum(i.get_closest_marker("slow") is not None for i in group) for path, group in modules.items()
+    }
+    shares: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for path, group in modules.items():
+        if weight[path]:
+            least = loads.index(min(loads))
+            shares[least] += group
+            loads[least] += weight[path]
+    rest = [item for path, group in modules.items() if not weight[path] for item in group]
+    ordered: list[pytest.Item] = []
+    for w, share in enumerate(shares):  # xdist's first split: what is left, divided by the workers left
+        size = (len(items) - len(ordered)) // (workers - w)
+        take = max(0, size - len(share))
+        ordered += share + rest[:take]
+        rest = rest[take:]
+    items[:] = ordered + rest
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
