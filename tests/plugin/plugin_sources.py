@@ -90,19 +90,11 @@ TRAIN_TEST = with_net(
     relu_module=True,
 )
 
-# Another plugin, loaded before ours with -p, that makes one F.relu call per forward wrong by a relative
-# FAULT_SCALE: a faulty kernel with its own autograd node, as a broken device kernel would be.
-FAULT_PLUGIN = textwrap.dedent(
+# A relu kernel wrong by a relative `scale`, with its own autograd node, as a broken device kernel would be
+# (`FaultyRelu.apply(x, scale)`; the module needs torch imported).
+FAULTY_RELU = textwrap.dedent(
     """
-    import os
-    import torch
-    import torch.nn.functional as F
-
-    _orig = F.relu
-    _calls = {"n": 0}
-
-
-    class _FaultyRelu(torch.autograd.Function):
+    class FaultyRelu(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, scale):
             out = torch.clamp_min(x, 0) * (1.0 + scale)
@@ -113,12 +105,37 @@ FAULT_PLUGIN = textwrap.dedent(
         def backward(ctx, grad):
             (out,) = ctx.saved_tensors
             return grad * (out > 0), None
+    """
+).lstrip("\n")
+
+
+def with_faulty_relu(source: str) -> str:
+    """`source` with its line `FAULTY_RELU` replaced by :data:`FAULTY_RELU`."""
+    out, count = re.subn(r"^FAULTY_RELU\n", lambda _: FAULTY_RELU, source, flags=re.MULTILINE)
+    assert count == 1, "the source needs exactly one line FAULTY_RELU"
+    return out
+
+
+# Another plugin, loaded before ours with -p, that makes one F.relu call per forward wrong by a relative
+# FAULT_SCALE (FaultyRelu).
+FAULT_PLUGIN = with_faulty_relu(
+    textwrap.dedent(
+        """
+    import os
+    import torch
+    import torch.nn.functional as F
+
+    _orig = F.relu
+    _calls = {"n": 0}
+
+
+    FAULTY_RELU
 
 
     def _relu(input, inplace=False):
         _calls["n"] += 1
         if _calls["n"] % 2 == 0 and not inplace:  # the functional relu after conv2
-            return _FaultyRelu.apply(input, float(os.environ.get("FAULT_SCALE", "0.01")))
+            return FaultyRelu.apply(input, float(os.environ.get("FAULT_SCALE", "0.01")))
         return _orig(input, inplace=inplace)
 
 
@@ -129,4 +146,5 @@ FAULT_PLUGIN = textwrap.dedent(
     def pytest_unconfigure(config):
         F.relu = _orig
     """
+    )
 )

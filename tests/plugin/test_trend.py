@@ -9,12 +9,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from plugin_sources import BASE, with_net
+from plugin_sources import BASE, with_faulty_relu, with_net
 
 # A small CNN; FAULT (a relative error of the functional relus) from step FAULT_FROM, counted by the debugger.
-TREND_TEST = with_net(
-    textwrap.dedent(
-        """
+TREND_TEST = with_faulty_relu(
+    with_net(
+        textwrap.dedent(
+            """
         import os
         import pytest
         import torch
@@ -25,17 +26,7 @@ TREND_TEST = with_net(
         NET
 
 
-        class FaultyRelu(torch.autograd.Function):  # a wrong kernel with its own autograd node
-            @staticmethod
-            def forward(ctx, x, scale):
-                out = torch.clamp_min(x, 0) * (1.0 + scale)
-                ctx.save_for_backward(out)
-                return out
-
-            @staticmethod
-            def backward(ctx, grad):
-                (out,) = ctx.saved_tensors
-                return grad * (out > 0), None
+        FAULTY_RELU
 
 
         def fault(msprobe, monkeypatch):
@@ -71,6 +62,7 @@ TREND_TEST = with_net(
 
         BODY
         """
+        )
     )
 )
 
