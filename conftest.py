@@ -85,12 +85,12 @@ def _one_test_leaks_into_no_other() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist, the order that deals the long tests out evenly: work stealing hands each worker a run of
-    consecutive tests at the start (the first of them to the first worker, and so on), so the modules holding
-    slow tests (each module kept whole, in its own order) are shared out among those runs, each to the run with
-    the fewest slow tests so far, and each run begins with its share; the other tests fill the runs up in their order. The long tests
-    start early on every worker, and stealing evens out the rest. Every worker sorts alike, as xdist needs; a run
-    in one process keeps its order."""
+    """Under xdist, the order that deals the long tests out evenly. Work stealing hands each worker a run of
+    consecutive tests at the start (the first run to the first worker, and so on), so the modules holding slow
+    tests (each module kept whole, in its own order) are shared out among those runs, each to the run with the
+    fewest slow tests so far; each run begins with its share, and the other tests fill the runs up in their
+    order. The long tests start early on every worker, and stealing evens out the rest. Every worker sorts
+    alike, as xdist needs; a run in one process keeps its order."""
     if not hasattr(config, "workerinput"):
         return
     workers = max(1, int(config.workerinput.get("workercount", 1)))

@@ -15,9 +15,9 @@ call reports are counted as errors by :func:`pytest_report_teststatus`. In repor
 precision verdict (a breach, a missing baseline, an out-of-line call) is recorded and reported but does not fail
 the test; the other failures and errors above stay what they are: the test did not reach a verdict.
 
-Every checked test's entry of the session summary rides on its report (:mod:`.session_hooks` collects them and writes
-``summary.json`` and ``index.html`` at the end); the pytest-html extras link the report files relative to the
-HTML report's folder, or embed them in a self-contained report.
+Every checked test's entry of the session summary rides on its report (:mod:`.session_hooks` collects them and
+writes ``summary.json`` and ``index.html`` at the end); the pytest-html extras link the report files relative to
+the HTML report's folder, or embed them in a self-contained report.
 
 A test marked ``world_size=N`` (N > 1) runs its body in N rank processes (:mod:`.rank_worker`, :mod:`pytest_msprobe.run.launcher`): this process, the
 launcher, starts them in place of the body (:func:`pytest_pyfunc_call`), fails the test with the first rank that
