@@ -56,7 +56,8 @@ Check = Callable[[Any, str], Any]  # (value, where it was given) -> the value, o
 @dataclass(frozen=True)
 class Option:
     """One setting: where it may be given, how its values are read, its default. ``help`` and ``ini_help`` may
-    say ``{flag}``, ``{ini}``, ``{marker}`` and ``{default}``."""
+    say ``{flag}``, ``{ini}``, ``{marker}`` and ``{default}``; each ends with where else the setting is given,
+    and its default, added by :meth:`flag_help` and :meth:`ini_text`."""
 
     name: str  # what resolution calls it; the offline ``pytest-msprobe compare`` takes a shared one as --NAME
     flag: str | None = None  # pytest's command-line flag; its destination is the flag in underscores
@@ -64,7 +65,7 @@ class Option:
     marker: str | None = None  # keyword of @pytest.mark.msprobe
     default: Any = None  # below every layer
     help: str = ""
-    ini_help: str = ""
+    ini_help: str = ""  # the ini key's, where the command line's help will not do (it names the metavar)
     metavar: str | None = None
     action: str | None = None  # argparse's: store_true, append
     type: Callable[[str], Any] | None = None  # argparse's parser of command-line text
@@ -84,12 +85,44 @@ class Option:
         assert self.flag is not None
         return self.flag[2:].replace("-", "_")
 
+    @property
+    def default_text(self) -> str | None:
+        """The default as help text says it; None where it is no value to show (unset, off, empty)."""
+        if self.default is None or self.default is False or self.default == ():
+            return None
+        if isinstance(self.default, tuple):
+            return " ".join(map(str, self.default))
+        return format(self.default, "g") if isinstance(self.default, float) else str(self.default)
+
     def text(self, template: str) -> str:
-        default = format(self.default, "g") if isinstance(self.default, float) else str(self.default)
-        fields = {"flag": self.flag, "ini": self.ini, "marker": self.marker, "default": default}
+        fields = {"flag": self.flag, "ini": self.ini, "marker": self.marker, "default": self.default_text}
         for key, value in fields.items():
             template = template.replace("{" + key + "}", str(value))
         return template
+
+    def flag_help(self, elsewhere: bool = True) -> str:
+        """The command-line help; ``elsewhere``: with the default, the ini key and the marker keyword."""
+        if self.help == argparse.SUPPRESS or not elsewhere:
+            return self.text(self.help)
+        default = self.default_text
+        where = [f"default: {default}" if default is not None and self.action is None else None]
+        where += [
+            f"ini: {self.ini}" if self.ini else None,
+            f"marker: {self.marker}=" if self.marker else None,
+        ]
+        return _ending(self.text(self.help), where)
+
+    def ini_text(self) -> str:
+        """The ini key's help, with the flag and the default."""
+        default = self.default_text
+        where = [self.flag, f"default: {default}" if default is not None and self.action is None else None]
+        text = self.text(self.ini_help or self.help)
+        return _ending(("true: " if self.action == "store_true" else "") + text, where)
+
+
+def _ending(text: str, where: list[str | None]) -> str:
+    given = [w for w in where if w]
+    return f"{text} ({'; '.join(given)})" if given else text
 
 
 def _size(value: Any, where: str) -> int | None:
@@ -123,64 +156,57 @@ def _msprobe_rule(value: Any, where: str) -> bool:
 BASELINE = Option(
     "baseline", flag="--msprobe-baseline", ini="msprobe_baseline",
     metavar="DIR", folder=True, check=settings.check_given,
-    help="folder of per-test baseline dumps; turns on dumping and comparing (ini: {ini})",
-    ini_help="folder of baselines; enables the precision comparison ({flag})",
+    help="folder of per-test baseline dumps; turns on dumping and comparing",
 )
 REGEN = _switch(
     "regen_baseline", flag="--msprobe-regen-baseline", ini="msprobe_regen_baseline",
-    help="write each msprobe test's dump as its baseline instead of comparing (ini: {ini})",
-    ini_help="true: write the baselines instead of comparing ({flag})",
+    help="write each msprobe test's dump as its baseline instead of comparing",
 )
 OUTPUT = Option(
     "output", flag="--msprobe-output", ini="msprobe_output",
     default="msprobe-output", metavar="DIR", folder=True, check=settings.check_given,
-    help="folder for this run's dumps and reports (default: {default}; ini: {ini})",
-    ini_help="folder for this run's dumps and reports (default: {default})",
+    help="folder for this run's dumps and reports",
 )
 DEVICE = Option(
     "device", flag="--msprobe-device", ini="msprobe_device",
     default="auto", metavar="DEVICE", check=settings.check_device, blank_cli="refused",
-    help="auto, cpu, cuda or npu; auto picks npu, then cuda, then cpu (ini: {ini})",
-    ini_help="auto, cpu, cuda or npu (default: {default})",
+    help="auto, cpu, cuda or npu; auto picks npu, then cuda, then cpu", ini_help="auto, cpu, cuda or npu",
 )
 TASK = Option(
     "task", ini="msprobe_task", marker="task",
     default="statistics", check=_choice(TASKS, "task"), check_names_it=True,
-    ini_help=f"default task of msprobe tests: {', '.join(TASKS)} (default: {{default}})",
+    ini_help=f"default task of msprobe tests: {', '.join(TASKS)}",
 )
 LEVEL = Option(
     "level", ini="msprobe_level", marker="level",
     default="L1", check=_choice(LEVELS, "level"), check_names_it=True,
-    ini_help=f"default level of msprobe tests: {', '.join(LEVELS)} (default: {{default}})",
+    ini_help=f"default level of msprobe tests: {', '.join(LEVELS)}",
 )
 STEPS = Option(
     "steps", ini="msprobe_steps", marker="steps",
     default=(0, 1), check=settings.check_steps, check_names_it=True,
-    ini_help="default dumped steps of msprobe tests, e.g. '0 1' (default: 0 1)",
+    ini_help="default dumped steps of msprobe tests, e.g. '0 1'",
 )
 SEED = Option(
     "seed", ini="msprobe_seed", marker="seed",
     default=1234, check=settings.check_seed, check_names_it=True,
-    ini_help="default seed of msprobe tests (default: {default})",
+    ini_help="default seed of msprobe tests",
 )
 MAX_DUMP_SIZE = Option(
     "max_dump_size", flag="--msprobe-max-dump-size", ini="msprobe_max_dump_size", marker="max_dump_size",
     metavar="SIZE", check=_size, blank_cli="unset",
-    help="stop a test's tensor dump before its files take more than SIZE, e.g. 500MB or 2GiB "
-    "(ini: {ini}; marker: {marker}=)",
-    ini_help="most a test's tensor files may take, e.g. 500MB or 2GiB ({flag})",
+    help="stop a test's tensor dump before its files take more than SIZE, e.g. 500MB or 2GiB",
+    ini_help="most a test's tensor files may take, e.g. 500MB or 2GiB",
 )
 KEEP_DUMPS = _switch(
     "keep_dumps", flag="--msprobe-keep-dumps", ini="msprobe_keep_dumps",
     help="keep the dumps of passing tests and regenerated baselines; by default only those of tests that "
-    "fail or error stay in --msprobe-output (ini: {ini})",
-    ini_help="true: keep the dumps of passing tests and regenerated baselines ({flag})",
+    "fail or error stay in --msprobe-output",
 )
 SELF_CHECK = _switch(
     "self_check", flag="--msprobe-self-check", ini="msprobe_self_check", marker="self_check",
     help="replay each API call on the CPU in float64 as the steps run and fail on a call whose own error is "
-    "out of line; without a baseline the steps are dumped for it (ini: {ini}; marker: {marker}=)",
-    ini_help="true: replay each API call in float64 and fail on its own error ({flag})",
+    "out of line; without a baseline the steps are dumped for it",
 )
 CHECKLIST_ENV = Option(
     "checklist_env", ini="msprobe_checklist_env", marker="checklist_env",
@@ -196,30 +222,27 @@ RANK_TIMEOUT = Option(
     default=DEFAULT_RANK_TIMEOUT, metavar="SECONDS", check=settings.check_seconds,
     help="stop the rank processes of a multi-rank test (marker world_size=N) that have not finished after "
     f"SECONDS, counted once they have all joined the process group (their start-up may take {RANK_STARTUP:g} s "
-    "more), and fail the test (default: {default}; ini: {ini}; marker: {marker}=)",
-    ini_help="seconds the rank processes of a multi-rank test may take ({flag}; default: {default})",
+    "more), and fail the test",
+    ini_help="seconds the rank processes of a multi-rank test may take",
 )
 TREND_STEPS = Option(
     "trend_steps", flag="--msprobe-trend-steps", ini="msprobe_trend_steps", marker="trend_steps", metavar="N",
-    check=settings.check_trend_steps, check_names_it=True, ini_help="trend steps of msprobe tests ({flag})",
-    help="compare the loss (msprobe.loss) and gradient norms of the first N steps with the baseline's (ini: {ini})",
+    check=settings.check_trend_steps, check_names_it=True, ini_help="trend steps of msprobe tests",
+    help="compare the loss (msprobe.loss) and gradient norms of the first N steps with the baseline's",
 )
 TREND_RTOL = Option(
     "trend_rtol", flag="--msprobe-trend-rtol", ini="msprobe_trend_rtol", marker="trend_rtol", metavar="FLOAT",
-    check=settings.check_trend_rtol, check_names_it=True, ini_help="relative tolerance of the trend ({flag})",
-    help="relative tolerance of the trend (default: the training dtype's, float32 1e-4) (ini: {ini})",
+    check=settings.check_trend_rtol, check_names_it=True,
+    help="relative tolerance of the trend (default: the training dtype's, float32 1e-4)",
 )
 REPORT_ONLY = _switch(
     "report_only", flag="--msprobe-report-only", ini="msprobe_report_only", marker="report_only",
     help="record each msprobe test's precision verdict (a breach, a missing baseline) in the reports without "
-    "failing the test; usage errors and unusable baselines still do (ini: {ini}; marker: {marker}=)",
-    ini_help="true: record precision verdicts without failing the tests ({flag})",
+    "failing the test; usage errors and unusable baselines still do",
 )
 ALLOW_TF32 = _switch(
     "allow_tf32", flag="--msprobe-allow-tf32", ini="msprobe_allow_tf32", marker="allow_tf32",
-    help="leave TF32 and HF32 as the device and the test set them, instead of float32 math in float32 "
-    "(ini: {ini}; marker: {marker}=)",
-    ini_help="true: leave TF32 and HF32 as the device has them ({flag})",
+    help="leave TF32 and HF32 as the device and the test set them, instead of float32 math in float32",
 )
 # a rank process's part of its test, given by the plugin
 RANK_SPEC = Option("rank_spec", flag="--msprobe-rank-spec", help=argparse.SUPPRESS)
@@ -228,17 +251,14 @@ THRESHOLD_OPTIONS = (
         "rtol", metavar="FLOAT", type=settings.parse_nonnegative,
         help="error tolerance (scaled error) for every floating dtype, replacing the dtype table "
         "(float32 default 1e-4); the warning level follows at a tenth unless set",
-        ini_help="error tolerance (scaled error) of every floating dtype",
     ),
     _shared(
         "warn_rtol", metavar="FLOAT", type=settings.parse_nonnegative,
         help="warning level (scaled error) for every floating dtype",
-        ini_help="warning level (scaled error) of every floating dtype",
     ),
     _shared(
         "atol", metavar="FLOAT", type=settings.parse_nonnegative,
         help="absolute differences at or below this never count (float32 default 1e-9)",
-        ini_help="absolute differences at or below this never count",
     ),
     _shared(
         "dtype_rtol", metavar="DTYPE=FLOAT", action="append", type=settings.parse_dtype_pair, ini_type="linelist",
@@ -325,12 +345,12 @@ def parse_threshold_value(name: str, value: Any, where: str) -> Any:
 
 
 # -------------------------------------------------------------------------------------- pytest and argparse
-def _argparse_kwargs(opt: Option, dest: str) -> dict[str, Any]:
+def _argparse_kwargs(opt: Option, dest: str, elsewhere: bool = True) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"dest": dest, "default": opt.default if opt.action == "store_true" else None}
     for key in ("action", "type", "metavar"):
         if getattr(opt, key) is not None:
             kwargs[key] = getattr(opt, key)
-    kwargs["help"] = opt.text(opt.help)
+    kwargs["help"] = opt.flag_help(elsewhere)
     return kwargs
 
 
@@ -343,7 +363,7 @@ def add_pytest_options(parser: Any) -> None:
     for opt in OPTIONS:
         if opt.ini is not None:  # a folder's default is None: set to nothing, it is refused, not "unset"
             extra = {"default": None} if opt.folder else {}
-            parser.addini(opt.ini, opt.text(opt.ini_help), type=opt.ini_type, **extra)
+            parser.addini(opt.ini, opt.ini_text(), type=opt.ini_type, **extra)
 
 
 def add_threshold_options(addoption: Callable[..., Any], prefix: str = "") -> None:
@@ -355,7 +375,7 @@ def add_threshold_options(addoption: Callable[..., Any], prefix: str = "") -> No
     """
     for opt in THRESHOLD_OPTIONS:
         flag = "--" + prefix + opt.name.replace("_", "-")
-        addoption(flag, **_argparse_kwargs(opt, prefix.replace("-", "_") + opt.name))
+        addoption(flag, **_argparse_kwargs(opt, prefix.replace("-", "_") + opt.name, elsewhere=bool(prefix)))
 
 
 def getter(options: Any) -> Getter:
