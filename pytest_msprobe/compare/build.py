@@ -385,6 +385,9 @@ def _row_result(d: Draft) -> RowResult:
     return RowResult(d.row, d.bench_row, d.api_index, d.role, d.target, d.baseline, *d.check)
 
 
+_IDENTITY = ("api", "bench_api", "step", "rank", "direction", "row_start", "row_stop", "pair", "module")
+
+
 def _call_result(a: CallDraft, order: int, rows: Sequence[RowResult]) -> ApiResult:
     """A call with its verdict from its rows: the worst of them (a row only one side has, of a call both
     make, is a warning about the call), its reason that of its worst row (outputs first: they are what the
@@ -414,22 +417,7 @@ def _call_result(a: CallDraft, order: int, rows: Sequence[RowResult]) -> ApiResu
             i, r = flagged[0]
             worst_row = a.row_start + i
             reason = f"{r.row}: {r.reason}"
-    return ApiResult(
-        api=a.api,
-        bench_api=a.bench_api,
-        step=a.step,
-        rank=a.rank,
-        order=order,
-        direction=a.direction,
-        status=status,
-        reason=reason,
-        input_error=input_error,
-        output_error=output_error,
-        input_breach=input_breach,
-        output_breach=output_breach,
-        row_start=a.row_start,
-        row_stop=a.row_stop,
-        worst_row=worst_row,
-        pair=a.pair,
-        module=a.module,
-    )
+    fields: dict[str, Any] = {name: getattr(a, name) for name in _IDENTITY}  # the call, as drafted
+    fields.update(input_error=input_error, output_error=output_error)
+    fields.update(input_breach=input_breach, output_breach=output_breach)
+    return ApiResult(order=order, status=status, reason=reason, worst_row=worst_row, **fields)
