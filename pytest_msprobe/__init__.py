@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 # subpackage ``pytest_msprobe.compare`` (as msprobe's own package does), so ``pytest_msprobe.compare(...)``
 # calls it. The compare needs numpy only.
 from pytest_msprobe.compare.run import compare
+from pytest_msprobe.moved import install as _install_old_paths
 from pytest_msprobe.version import __version__
+
+_install_old_paths()  # earlier releases' module paths still import (pytest_msprobe.moved)
 
 __all__ = ["MsprobeFixture", "PrecisionDebugger", "__version__", "compare", "seed_all"]
 

@@ -14,12 +14,17 @@ and ``run`` (the entry point).
 
 from __future__ import annotations
 
+import sys
+
 from pytest_msprobe.compare.diagnosis import Divergence
 from pytest_msprobe.compare.dumps import DumpCheck, validate
 from pytest_msprobe.compare.judging import ApiResult, RowResult
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.compare.run import compare
 from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
+
+# the old module path of validate(), whose name this package gives the function (pytest_msprobe.moved)
+sys.modules.setdefault(__name__ + ".validate", sys.modules[__name__ + ".dumps.validate"])
 
 __all__ = [
     "ApiResult",

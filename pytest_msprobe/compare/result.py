@@ -34,6 +34,7 @@ from pytest_msprobe.compare.judging import (
 )
 from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.compare.trend import TrendResult
+from pytest_msprobe.moved import names_from
 
 # what comes first in a compare (Verdict.cause): a checklist difference (a numerics setting, or data, weights,
 # hyperparameters, structure), else the first divergence among the calls (an overflow, or another call), else
@@ -341,3 +342,31 @@ def _record(side: judging.RowSide) -> Leaf | None:
 def collective(api: ApiResult) -> str | None:
     """The collective a call is (``all_reduce`` for ``Distributed.all_reduce.3.forward``), None for any other."""
     return collective_op(api.api)
+
+
+# the names this module handed on in earlier releases, now read from their packages (pytest_msprobe.moved)
+__getattr__ = names_from(
+    __name__,
+    [
+        f"pytest_msprobe.compare.{home}"
+        for home in (
+            *(
+                "judging",
+                "judging.metrics",
+                "judging.overflow",
+                "judging.self_check",
+                "diagnosis",
+                "diagnosis.rules",
+            ),
+            *(
+                "alignment",
+                "alignment.coverage",
+                "dumps",
+                "dumps.modules",
+                "trend",
+                "checklist",
+                "thresholds",
+            ),
+        )
+    ],
+)

@@ -8,6 +8,7 @@ from pytest_msprobe.compare.checklist.diff import compare_checklists
 from pytest_msprobe.compare.checklist.differences import SETTING, ChecklistResult, Difference
 from pytest_msprobe.compare.checklist.from_records import from_records
 from pytest_msprobe.compare.checklist.setting_causes import compared_calls, recorded_calls
+from pytest_msprobe.moved import names_from
 
 __all__ = [
     "SETTING",
@@ -18,3 +19,6 @@ __all__ = [
     "from_records",
     "recorded_calls",
 ]
+
+# the names of the checklist module of earlier releases, at this package's path (pytest_msprobe.moved)
+__getattr__ = names_from(__name__, ["pytest_msprobe.compare.checklist.differences"])
