@@ -431,9 +431,9 @@ def _run_config_check(args: argparse.Namespace) -> int:
 
     from pytest_msprobe.compare.checklist import compare_checklists, recorded_calls
     from pytest_msprobe.compare.run import pair_locations
-    from pytest_msprobe.compare.thresholds import Thresholds
     from pytest_msprobe.format.files import write_text
     from pytest_msprobe.format.layout import discover
+    from pytest_msprobe.thresholds import Thresholds
 
     pairs, unpaired, _ = pair_locations(
         discover(args.target), discover(args.baseline), args.target, args.baseline

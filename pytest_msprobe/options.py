@@ -31,22 +31,24 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe import settings
-from pytest_msprobe.compare.thresholds import (
+from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.settings import (
+    DEFAULT_RANK_TIMEOUT,
+    LEVELS,
+    RANK_STARTUP,
+    TASKS,
+    SessionSettings,
+    TestSettings,
+    check_apart,
+    parse_size,
+)
+from pytest_msprobe.thresholds import (
     FLOATING,
     ApiRule,
     Thresholds,
     Tolerance,
     load_thresholds_file,
     warning_of,
-)
-from pytest_msprobe.dump.config import LEVELS, TASKS, parse_size
-from pytest_msprobe.errors import ConfigError
-from pytest_msprobe.settings import (
-    DEFAULT_RANK_TIMEOUT,
-    RANK_STARTUP,
-    SessionSettings,
-    TestSettings,
-    check_apart,
 )
 
 Getter = Callable[[str], Any]

@@ -17,16 +17,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pytest_msprobe.compare.thresholds import (
+from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.thresholds import (
     DEFAULT_DTYPE_TOLERANCES,
     Thresholds,
     normalize_dtype,
     parse_share,
 )
-from pytest_msprobe.errors import ConfigError
 
 _N = TypeVar("_N", int, float)
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")  # what --msprobe-device takes (run.device picks one)
+# what a dump records (task) and at which level: APIs (L1), modules (L0) or both (mix), msprobe's words
+TASKS = ("statistics", "tensor", "md5", "overflow_check")
+LEVELS = ("L0", "L1", "mix")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 # seconds the rank processes of a multi-rank test may take once they have all joined the process group (their
 # start-up has a limit of its own, RANK_STARTUP): a collective that one rank never
@@ -264,3 +280,39 @@ def parse_dtype_pair(text: str) -> tuple[str, float]:
         known = ", ".join(sorted(DEFAULT_DTYPE_TOLERANCES))
         raise argparse.ArgumentTypeError(f"unknown dtype {key!r} in {text!r} (known: {known})")
     return str(name), value
+
+
+def parse_size(value: Any, where: str) -> int:
+    """A size in bytes from ``500MB``, ``2GiB``, ``1.5 GB`` or a plain number of bytes (kB, MB... are powers of
+    1000, KiB, MiB... of 1024); ``where`` names the setting in the error.
+
+        >>> parse_size("500MB", "max_dump_size"), parse_size("2GiB", "max_dump_size"), parse_size(4096, "x")
+        (500000000, 2147483648, 4096)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{where}: expected a size such as 500MB, 2GiB or a number of bytes, got {value!r}")
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        factor = _SIZE_UNITS.get(m.group(2).lower()) if m else None
+        if m is None or factor is None:
+            raise ConfigError(
+                f"{where}: expected a size such as 500MB, 2GiB or a number of bytes "
+                f"(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}"
+            )
+        number = float(m.group(1)) * factor
+    else:
+        number = float(value)
+    if not math.isfinite(number) or number < 1:
+        raise ConfigError(f"{where}: the size must be at least 1 byte, got {value!r}")
+    return int(number)
+
+
+def format_size(size: int) -> str:
+    """A byte count as people write it: ``2 GiB`` when it is a whole number of binary units, else ``500 MB``."""
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= factor and size % factor == 0:
+            return f"{size // factor} {unit}"
+    for unit, factor in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if size >= factor:
+            return f"{size / factor:.4g} {unit}"
+    return f"{size} B"

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from pytest_msprobe.compare.thresholds import DEFAULT_DTYPE_TOLERANCES, Tolerance
 from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.options import (
     MARKER_KEYS,
@@ -21,6 +20,7 @@ from pytest_msprobe.options import (
     add_threshold_options,
     resolve_test,
 )
+from pytest_msprobe.thresholds import DEFAULT_DTYPE_TOLERANCES, Tolerance
 
 F16 = DEFAULT_DTYPE_TOLERANCES["float16"]
 

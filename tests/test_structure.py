@@ -86,10 +86,24 @@ def test_dump_and_compare_do_not_import_each_other() -> None:
             assert not any(name.startswith(f"pytest_msprobe.{b}") for name in _roots(path)), (path, b)
 
 
+def test_the_options_stand_on_the_settings_and_the_thresholds_only() -> None:
+    """The option table, the settings and the threshold tables are read by every layer and read none of them:
+    only each other, the errors and the format's file helpers."""
+    ground = {
+        "pytest_msprobe.options",
+        "pytest_msprobe.settings",
+        "pytest_msprobe.thresholds",
+        "pytest_msprobe.errors",
+    }
+    for name in ("options", "settings", "thresholds"):
+        used = {n for n in _roots(PACKAGE / f"{name}.py") if n.startswith("pytest_msprobe.")}
+        assert used <= ground | {"pytest_msprobe.format.files"}, (name, used - ground)
+
+
 def test_report_reads_the_compare_through_its_public_faces() -> None:
     """The reports read the result and the compare's packages by their ``__init__`` only, never a module inside
     one (that is each package's own business)."""
-    faces = {"pytest_msprobe.compare.result", "pytest_msprobe.compare.thresholds"} | {
+    faces = {"pytest_msprobe.compare.result"} | {
         f"pytest_msprobe.compare.{p.name}"
         for p in (PACKAGE / "compare").iterdir()
         if (p / "__init__.py").exists()

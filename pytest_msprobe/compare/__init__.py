@@ -5,7 +5,7 @@ The entry point is :func:`pytest_msprobe.compare.run.compare`; :func:`validate` 
 comparing it.
 
 By feature, from the bottom up (each package's ``__init__`` names what the rest reads; nothing imports upwards):
-``thresholds`` (data), ``dumps/`` (reading a dump), ``judging/`` (metrics, row checks, overflow, the self-check,
+``dumps/`` (reading a dump), ``judging/`` (metrics, row checks, overflow, the self-check,
 the judged rows and calls), ``alignment/`` (pairing the calls, coverage), ``trend/``, ``diagnosis/`` (the first
 divergence, devices), ``checklist/`` (what differs before any call); then ``build``, ``explain``, ``pool``, the
 row table (``frame``), ``result`` (the one result object and its :class:`~pytest_msprobe.compare.result.Verdict`)
@@ -21,7 +21,7 @@ from pytest_msprobe.compare.dumps import DumpCheck, validate
 from pytest_msprobe.compare.judging import ApiResult, RowResult
 from pytest_msprobe.compare.result import CompareResult
 from pytest_msprobe.compare.run import compare
-from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
+from pytest_msprobe.thresholds import ApiRule, Thresholds, Tolerance
 
 # the old module path of validate(), whose name this package gives the function (pytest_msprobe.moved)
 sys.modules.setdefault(__name__ + ".validate", sys.modules[__name__ + ".dumps.validate"])

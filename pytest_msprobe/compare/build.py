@@ -35,9 +35,9 @@ from pytest_msprobe.compare.judging import (
     TensorMetrics,
     worst,
 )
-from pytest_msprobe.compare.thresholds import Thresholds, Tolerance
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.names import BACKWARD, FORWARD, is_parameters_grad, params_grad_module, parse_name
+from pytest_msprobe.thresholds import Thresholds, Tolerance
 
 
 class TensorRef(NamedTuple):

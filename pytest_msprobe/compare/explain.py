@@ -16,11 +16,11 @@ import numpy as np
 from pytest_msprobe.compare.build import Builder, Draft
 from pytest_msprobe.compare.dumps import OUTPUT, PARAM_IN, TENSOR, Leaf, open_tensor
 from pytest_msprobe.compare.judging import ERROR, PASS, WARNING, Check, amend, check_statistics
-from pytest_msprobe.compare.thresholds import Thresholds, normalize_dtype
 from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import TENSOR_DIR
 from pytest_msprobe.format.names import FORWARD
 from pytest_msprobe.format.optimizerfile import UPDATE_PREFIX, is_update
+from pytest_msprobe.thresholds import Thresholds, normalize_dtype
 
 
 def explain_in_place(builder: Builder) -> None:

@@ -19,9 +19,9 @@ from typing import Any
 from pytest_msprobe.compare.build import Builder, CallDraft, Draft, TensorRef
 from pytest_msprobe.compare.dumps import Leaf, open_tensor
 from pytest_msprobe.compare.judging import Check, DumpPair, StatMetrics, TensorMetrics, tensor_metrics
-from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import DumpLocation
+from pytest_msprobe.thresholds import Thresholds
 
 Unusable = tuple[str, str]  # the (path, problem) of a DumpFormatError
 

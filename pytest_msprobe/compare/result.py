@@ -32,9 +32,9 @@ from pytest_msprobe.compare.judging import (
     RowResult,
     is_tensor,
 )
-from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.compare.trend import TrendResult
 from pytest_msprobe.moved import names_from
+from pytest_msprobe.thresholds import Thresholds
 
 # what comes first in a compare (Verdict.cause): a checklist difference (a numerics setting, or data, weights,
 # hyperparameters, structure), else the first divergence among the calls (an overflow, or another call), else
@@ -344,29 +344,7 @@ def collective(api: ApiResult) -> str | None:
     return collective_op(api.api)
 
 
-# the names this module handed on in earlier releases, now read from their packages (pytest_msprobe.moved)
-__getattr__ = names_from(
-    __name__,
-    [
-        f"pytest_msprobe.compare.{home}"
-        for home in (
-            *(
-                "judging",
-                "judging.metrics",
-                "judging.overflow",
-                "judging.self_check",
-                "diagnosis",
-                "diagnosis.rules",
-            ),
-            *(
-                "alignment",
-                "alignment.coverage",
-                "dumps",
-                "dumps.modules",
-                "trend",
-                "checklist",
-                "thresholds",
-            ),
-        )
-    ],
-)
+# the names this module handed on in the package's earlier layout, now read from their packages (pytest_msprobe.moved)
+_HOMES = "judging judging.metrics judging.overflow judging.self_check diagnosis diagnosis.rules alignment"
+_HOMES += " alignment.coverage dumps dumps.modules trend checklist"
+__getattr__ = names_from(__name__, [f"pytest_msprobe.compare.{home}" for home in _HOMES.split()])

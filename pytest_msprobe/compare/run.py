@@ -54,11 +54,11 @@ from pytest_msprobe.compare.judging import (
 )
 from pytest_msprobe.compare.pool import PairTask, Unusable, compare_pairs, tensor_metrics_of
 from pytest_msprobe.compare.result import CompareResult
-from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import ConfigError, DumpFormatError, DumpReadError
 from pytest_msprobe.format.layout import DumpLocation, discover
 from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.format.own_errors import SELF_CHECK_JSON
+from pytest_msprobe.thresholds import Thresholds
 
 MODES = ("auto", "statistics", "tensor", "md5")
 REPLAYS = ("auto", "all", "none")  # which calls of a tensor dump are replayed for their own errors

@@ -12,9 +12,7 @@ the key, the value and (when it came from a file) the file.
 from __future__ import annotations
 
 import difflib
-import math
 import os
-import re
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,27 +21,13 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from pytest_msprobe.errors import ConfigError, PathLike
 from pytest_msprobe.format.files import config_error, read_json
+from pytest_msprobe.settings import LEVELS, TASKS, parse_size
 
 if TYPE_CHECKING:  # pragma: no cover (typing.Unpack is Python 3.11's)
     from typing_extensions import Unpack
 
-TASKS = ("statistics", "tensor", "md5", "overflow_check")
-LEVELS = ("L0", "L1", "mix")
 DATA_MODES = ("all", "forward", "backward", "input", "output")
 SUMMARY_MODES = ("statistics", "md5")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 # msprobe keys that we read elsewhere or that do not change what a dump contains
 _KNOWN_TOP_KEYS = frozenset(
     {
@@ -239,42 +223,6 @@ def _parse_int_set(key: str, value: Any, source: str | None) -> frozenset[int] |
             continue
         raise ConfigError(f"{key}={value!r}{_where(source)}: {item!r} is not an integer")
     return frozenset(out) if out else None
-
-
-def parse_size(value: Any, where: str) -> int:
-    """A size in bytes from ``500MB``, ``2GiB``, ``1.5 GB`` or a plain number of bytes (kB, MB... are powers of
-    1000, KiB, MiB... of 1024); ``where`` names the setting in the error.
-
-        >>> parse_size("500MB", "max_dump_size"), parse_size("2GiB", "max_dump_size"), parse_size(4096, "x")
-        (500000000, 2147483648, 4096)
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"{where}: expected a size such as 500MB, 2GiB or a number of bytes, got {value!r}")
-    if isinstance(value, str):
-        m = _SIZE.match(value)
-        factor = _SIZE_UNITS.get(m.group(2).lower()) if m else None
-        if m is None or factor is None:
-            raise ConfigError(
-                f"{where}: expected a size such as 500MB, 2GiB or a number of bytes "
-                f"(units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}"
-            )
-        number = float(m.group(1)) * factor
-    else:
-        number = float(value)
-    if not math.isfinite(number) or number < 1:
-        raise ConfigError(f"{where}: the size must be at least 1 byte, got {value!r}")
-    return int(number)
-
-
-def format_size(size: int) -> str:
-    """A byte count as people write it: ``2 GiB`` when it is a whole number of binary units, else ``500 MB``."""
-    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= factor and size % factor == 0:
-            return f"{size // factor} {unit}"
-    for unit, factor in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if size >= factor:
-            return f"{size / factor:.4g} {unit}"
-    return f"{size} B"
 
 
 def _parse_data_mode(value: Any, source: str | None) -> frozenset[str]:

@@ -48,7 +48,7 @@ import torch
 
 from pytest_msprobe.dump import switches, threads
 from pytest_msprobe.dump.checklist import StepChecklist, caller_model
-from pytest_msprobe.dump.config import DumpArgs, DumpConfig, build_config, format_size
+from pytest_msprobe.dump.config import DumpArgs, DumpConfig, build_config
 from pytest_msprobe.dump.intercept import ApiPatcher
 from pytest_msprobe.dump.overflow_filter import keep_overflows, keep_stacks
 from pytest_msprobe.dump.recorder import Recorder
@@ -68,6 +68,7 @@ from pytest_msprobe.dump.writer import (
 )
 from pytest_msprobe.errors import ConfigError, DumpError, DumpSizeError, PathLike
 from pytest_msprobe.format.layout import TENSOR_DIR, TENSOR_SUFFIX
+from pytest_msprobe.settings import format_size
 
 if TYPE_CHECKING:  # pragma: no cover (typing.Unpack is Python 3.11's)
     from typing_extensions import Unpack

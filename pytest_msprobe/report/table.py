@@ -27,8 +27,8 @@ from pytest_msprobe.compare.judging import (
     is_tensor,
 )
 from pytest_msprobe.compare.result import CompareResult
-from pytest_msprobe.compare.thresholds import is_integral
 from pytest_msprobe.report.xlsx import BOLD_RED, GREY, PLAIN, RED, YELLOW, Sheet
+from pytest_msprobe.thresholds import is_integral
 
 BASE_COLUMNS = (
     "NPU Name",

@@ -21,11 +21,11 @@ from pytest_msprobe.compare.checklist import SETTING
 from pytest_msprobe.compare.diagnosis import Divergence
 from pytest_msprobe.compare.judging import RowResult, SelfCheckResult, fmt_number, is_tensor, row_metric
 from pytest_msprobe.compare.result import CompareResult
-from pytest_msprobe.compare.thresholds import normalize_dtype
 from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.options import BY_NAME
 from pytest_msprobe.report.own_error_table import own_error_line
 from pytest_msprobe.report.summary import rank_summaries
+from pytest_msprobe.thresholds import normalize_dtype
 
 # ------------------------------------------------------------------------------------------ shared pieces
 _LIBRARY_FRAME = re.compile(r"site-packages|dist-packages|/torch/|/msprobe/|pytest_msprobe", re.IGNORECASE)

@@ -269,7 +269,7 @@ def _copy_tree(src: Path, dst: Path) -> None:
 def _full_file_system(folder: Path) -> str:
     """Which file system holding ``folder`` is full, and what it has left: '... mounted at /data is full, 0 B
     free'."""
-    from pytest_msprobe.dump.config import format_size
+    from pytest_msprobe.settings import format_size
 
     probe = Path(os.path.abspath(folder))
     while not probe.exists() and probe.parent != probe:

@@ -15,10 +15,10 @@ from compare_helpers import seeded
 from pytest_msprobe import PrecisionDebugger
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.checklist import compare_checklists
-from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.checklistfile import CHECKLIST_JSON, read_checklist
 from pytest_msprobe.report.summary import first_divergence_dict
+from pytest_msprobe.thresholds import Thresholds
 
 
 class _Net(torch.nn.Module):

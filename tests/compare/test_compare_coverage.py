@@ -14,12 +14,12 @@ from torch_dumps import dump_training
 
 from pytest_msprobe.cli import main
 from pytest_msprobe.compare import Thresholds, compare
-from pytest_msprobe.compare.thresholds import format_share, load_thresholds_file, parse_share
 from pytest_msprobe.errors import ConfigError
 from pytest_msprobe.options import parse_threshold_value, thresholds_from_options
 from pytest_msprobe.report import console_summary, summary_dict, write_reports
 from pytest_msprobe.report.advisor import advisor_text
 from pytest_msprobe.report.text import failure_message
+from pytest_msprobe.thresholds import format_share, load_thresholds_file, parse_share
 
 FAULTS = DATA / "faults"
 

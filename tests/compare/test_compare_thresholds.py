@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_msprobe.compare.thresholds import (
+from pytest_msprobe.errors import ConfigError
+from pytest_msprobe.options import add_threshold_options, thresholds_from_options
+from pytest_msprobe.thresholds import (
     DEFAULT_DTYPE_TOLERANCES,
     ApiRule,
     Thresholds,
@@ -17,8 +19,6 @@ from pytest_msprobe.compare.thresholds import (
     normalize_dtype,
     thresholds_from_dict,
 )
-from pytest_msprobe.errors import ConfigError
-from pytest_msprobe.options import add_threshold_options, thresholds_from_options
 
 
 def test_defaults_scale_with_the_precision_of_the_dtype() -> None:

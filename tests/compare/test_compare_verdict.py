@@ -32,7 +32,7 @@ from pytest_msprobe.compare.judging.judge import (
     check_tensors,
     msprobe_accuracy,
 )
-from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, Tolerance
+from pytest_msprobe.thresholds import ApiRule, Thresholds, Tolerance
 
 F32 = Tolerance(1e-4, 1e-5, 1e-12)
 

@@ -17,7 +17,6 @@ from compare_helpers import dump_dir
 
 from pytest_msprobe import compare
 from pytest_msprobe.compare.judging.self_check import check_dump, own_error_verdict
-from pytest_msprobe.compare.thresholds import ApiRule, Thresholds, thresholds_from_dict
 from pytest_msprobe.errors import ConfigError, DumpFormatError
 from pytest_msprobe.format.own_errors import (
     SELF_CHECK_JSON,
@@ -28,6 +27,7 @@ from pytest_msprobe.format.own_errors import (
 )
 from pytest_msprobe.report import write_reports
 from pytest_msprobe.report.text import self_check_message
+from pytest_msprobe.thresholds import ApiRule, Thresholds, thresholds_from_dict
 
 RELU = "Functional.relu.2.forward"
 

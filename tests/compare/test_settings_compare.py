@@ -19,7 +19,6 @@ from pytest_msprobe import cli
 from pytest_msprobe.compare import compare
 from pytest_msprobe.compare.checklist import compare_checklists
 from pytest_msprobe.compare.result import CompareResult
-from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklistfile import CHECKLIST_JSON, read_checklist
 from pytest_msprobe.format.numerics import policy_from_switches
 from pytest_msprobe.report.advisor import advisor_text
@@ -27,6 +26,7 @@ from pytest_msprobe.report.html import html_fragment
 from pytest_msprobe.report.model import model_data
 from pytest_msprobe.report.summary import summary_dict
 from pytest_msprobe.report.text import failure_message
+from pytest_msprobe.thresholds import Thresholds
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CUDA_BASELINE = DATA / "resnet50-cuda-h200"

@@ -12,8 +12,8 @@ import torch
 
 from pytest_msprobe import PrecisionDebugger
 from pytest_msprobe.dump import writer
-from pytest_msprobe.dump.config import format_size, parse_size
 from pytest_msprobe.errors import ConfigError, DumpError, DumpSizeError
+from pytest_msprobe.settings import format_size, parse_size
 
 pytestmark = pytest.mark.usefixtures("no_leftover_debugger")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from pytest_msprobe.compare.thresholds import format_share
+from pytest_msprobe.thresholds import format_share
 
 # why a baseline's calls find no partner in the target, most common first
 UNMATCHED_CAUSES = (

@@ -24,8 +24,8 @@ import math
 from collections.abc import Sequence
 
 from pytest_msprobe.compare.dumps import INPUT, PARAMETER, TENSOR, VALUE, ApiEntry, Leaf
-from pytest_msprobe.compare.thresholds import DEFAULT_DTYPE_TOLERANCES, is_integral, normalize_dtype
 from pytest_msprobe.format.names import BACKWARD, FORWARD
+from pytest_msprobe.thresholds import DEFAULT_DTYPE_TOLERANCES, is_integral, normalize_dtype
 
 Pairs = list[tuple[int | None, int | None]]
 

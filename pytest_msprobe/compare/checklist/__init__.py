@@ -20,5 +20,5 @@ __all__ = [
     "recorded_calls",
 ]
 
-# the names of the checklist module of earlier releases, at this package's path (pytest_msprobe.moved)
+# the names of the checklist module of the earlier layout, at this package's path (pytest_msprobe.moved)
 __getattr__ = names_from(__name__, ["pytest_msprobe.compare.checklist.differences"])

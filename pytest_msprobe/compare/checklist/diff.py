@@ -23,8 +23,8 @@ from pytest_msprobe.compare.checklist.differences import (
 )
 from pytest_msprobe.compare.checklist.setting_causes import Calls, compare_settings
 from pytest_msprobe.compare.checklist.weights import changed_outside, data_differences, tensor_differences
-from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklistfile import read_checklist
+from pytest_msprobe.thresholds import Thresholds
 
 # what is expected to differ between two device types (CUDA's against an NPU's, either against the CPU)
 _DEVICE_ENV_PREFIXES = (

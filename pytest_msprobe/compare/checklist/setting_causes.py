@@ -27,7 +27,6 @@ from typing import Any
 from pytest_msprobe.compare.checklist.differences import SETTING, SWITCH, Difference
 from pytest_msprobe.compare.dumps import TENSOR, Leaf, read_dump
 from pytest_msprobe.compare.judging import UNMATCHED, ApiResult, RowResult
-from pytest_msprobe.compare.thresholds import FLOATING, normalize_dtype
 from pytest_msprobe.format.layout import DumpLocation
 from pytest_msprobe.format.numerics import (
     CALLS,
@@ -39,6 +38,7 @@ from pytest_msprobe.format.numerics import (
     setting_states,
     switch_value,
 )
+from pytest_msprobe.thresholds import FLOATING, normalize_dtype
 
 # a dump pair's two checklists with its step and rank
 Read = tuple[Mapping[str, Any], Mapping[str, Any], int | None, int | None]

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from pytest_msprobe.compare.checklist.differences import DATA, Difference, same_value, value_text
-from pytest_msprobe.compare.thresholds import Thresholds
 from pytest_msprobe.format.checklistfile import TAKEN_AT_OPTIMIZER, decode_number
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.optimizerfile import read_optimizer
+from pytest_msprobe.thresholds import Thresholds
 
 _STATS = ("min", "max", "mean", "norm")
 

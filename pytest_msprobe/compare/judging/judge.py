@@ -26,7 +26,7 @@ from pytest_msprobe.compare.judging.rows import (
     fmt_number,
     worst,
 )
-from pytest_msprobe.compare.thresholds import Tolerance, is_integral, normalize_dtype
+from pytest_msprobe.thresholds import Tolerance, is_integral, normalize_dtype
 
 
 class Check(NamedTuple):

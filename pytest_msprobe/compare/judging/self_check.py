@@ -33,12 +33,12 @@ from pytest_msprobe.compare.judging.rows import (
     SelfCheckResult,
     fmt_number,
 )
-from pytest_msprobe.compare.thresholds import OwnRatios, Thresholds
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.files import read_json
 from pytest_msprobe.format.layout import discover
 from pytest_msprobe.format.names import FORWARD, parse_name
 from pytest_msprobe.format.own_errors import SELF_CHECK_JSON, SHARE_BOUNDS, CallOwn, OwnError, read_own_errors
+from pytest_msprobe.thresholds import OwnRatios, Thresholds
 
 OwnErrors = dict[str, CallOwn]
 NO_OWN_ERRORS = "the dump was made without the self-check, so its calls have no own errors to judge"

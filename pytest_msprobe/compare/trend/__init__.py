@@ -15,5 +15,5 @@ __all__ = [
     "tolerance_text",
 ]
 
-# the names of the trend module of earlier releases, at this package's path (pytest_msprobe.moved)
+# the names of the trend module of the earlier layout, at this package's path (pytest_msprobe.moved)
 __getattr__ = names_from(__name__, ["pytest_msprobe.compare.trend.compare"])

@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pytest_msprobe.compare.thresholds import DEFAULT_DTYPE_TOLERANCES, normalize_dtype
 from pytest_msprobe.compare.trend.outcome import GRAD_NORM, LOSS, TrendResult, TrendRow
 from pytest_msprobe.format.trendfile import TrendData
+from pytest_msprobe.thresholds import DEFAULT_DTYPE_TOLERANCES, normalize_dtype
 
 SPIKE = 10.0  # a gradient norm this many times the median of the earlier steps is a spike
 _SPIKE_HISTORY = 3  # earlier steps a median needs
