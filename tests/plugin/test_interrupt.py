@@ -74,7 +74,7 @@ def test_ctrl_c_at_random_moments_of_dumped_steps_stops_the_session_cleanly(
     before = {p: p.read_bytes() for p in baseline.rglob("*") if p.is_file()}
     took = float(regen.stdout.split("TRAINED IN ")[1].split()[0])
     rng = random.Random(seed)
-    for attempt in range(3):  # a compare, a regeneration, a compare
+    for attempt in range(2):  # a compare, a regeneration
         at = rng.uniform(0.0, took)
         args = ["--msprobe-baseline=bl", "--msprobe-keep-dumps"]
         if attempt % 2:
