@@ -182,14 +182,15 @@ def test_the_same_test_in_four_xdist_workers_regenerates_one_whole_baseline(
     assert [p.name for p in folder.parent.iterdir()] == ["test_train"], "no leftovers beside the baseline"
     for tmp in tmp_path.iterdir():
         tmp.unlink()
-    compared = pytester.runpytest_subprocess(*BASE, *each, "--msprobe-baseline=bl")
-    compared.assert_outcomes(passed=4)
+    _barrier_test(pytester, train_source, parties=2)
+    compared = pytester.runpytest_subprocess(*BASE, "-n", "2", "--dist", "each", "--msprobe-baseline=bl")
+    compared.assert_outcomes(passed=2)
     assert "lacks" not in compared.stdout.str()
-    # --keep-duplicates: one session collects the same test id three times
+    # --keep-duplicates: one session collects the same test id twice (the barrier is passed by now)
     dupes = pytester.runpytest_subprocess(
-        *BASE, "-n", "3", "--keep-duplicates", "--msprobe-baseline=bl", *["test_train.py"] * 3
+        *BASE, "-n", "2", "--keep-duplicates", "--msprobe-baseline=bl", *["test_train.py"] * 2
     )
-    dupes.assert_outcomes(passed=3)
+    dupes.assert_outcomes(passed=2)
 
 
 @pytest.mark.parametrize("first", ["regen", "compare"])
