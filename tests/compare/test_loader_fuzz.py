@@ -1,7 +1,7 @@
 """Fuzzing of the loader: random mutations of real dump.json and .pt files, bounded in time.
 
 Each test mutates msprobe's real dumps (``tests/data/msprobe``; reduced to their first calls, so that an
-iteration takes milliseconds) for ``MSPROBE_FUZZ_SECONDS`` (default 5) and feeds them to ``read_dump``,
+iteration takes milliseconds) for ``MSPROBE_FUZZ_SECONDS`` (default 3) and feeds them to ``read_dump``,
 ``validate``, ``compare`` and ``open_tensor``. The only exception allowed out of them is
 :class:`DumpFormatError`; anything else fails with the seed that reproduces it (``MSPROBE_FUZZ_SEED=<seed>``
 starts there). The three entry points must also agree: a dump.json that ``read_dump`` refuses gets the same
@@ -34,7 +34,7 @@ from pytest_msprobe.compare.dumps import open_tensor, read_dump
 from pytest_msprobe.errors import DumpFormatError
 from pytest_msprobe.format.layout import discover
 
-BUDGET = float(os.environ.get("MSPROBE_FUZZ_SECONDS", "5"))
+BUDGET = float(os.environ.get("MSPROBE_FUZZ_SECONDS", "3"))
 KEEP_CALLS = 12  # calls kept from each real dump: every kind of record, milliseconds per compare
 
 
