@@ -81,6 +81,7 @@ class Option:
     blank_cli: str = "value"  # an empty command-line value is a "value", "refused" or "unset"
     ini_path: bool = False  # a file: an ini value is relative to the ini file
     check_names_it: bool = False  # the check's messages name the keyword: a marker's "where" need not
+    marker_value: str = ""  # the help gives the marker this value (a switch it turns the other way)
 
     @property
     def dest(self) -> str:
@@ -110,7 +111,7 @@ class Option:
         where = [f"default: {default}" if default is not None and self.action is None else None]
         where += [
             f"ini: {self.ini}" if self.ini else None,
-            f"marker: {self.marker}=" if self.marker else None,
+            f"marker: {self.marker}={self.marker_value}" if self.marker else None,
         ]
         return _ending(self.text(self.help), where)
 
@@ -297,7 +298,7 @@ THRESHOLD_OPTIONS = (
         ini_help="JSON file of thresholds",
     ),
     _shared(
-        "no_msprobe_rule", ini=None, marker="msprobe_rule",
+        "no_msprobe_rule", ini=None, marker="msprobe_rule", marker_value="False",
         default=False, action="store_true", check=_msprobe_rule,
         help="tensor mode: do not also apply msprobe 8.3.3's cosine / MaxAbsErr accuracy rule",
     ),
