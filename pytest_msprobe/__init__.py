@@ -20,7 +20,7 @@ from pytest_msprobe.compare.run import compare
 from pytest_msprobe.moved import install as _install_old_paths
 from pytest_msprobe.version import __version__
 
-_install_old_paths()  # earlier releases' module paths still import (pytest_msprobe.moved)
+_install_old_paths()  # the module paths of the package's earlier layout still import (pytest_msprobe.moved)
 
 __all__ = ["MsprobeFixture", "PrecisionDebugger", "__version__", "compare", "seed_all"]
 

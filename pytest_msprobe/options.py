@@ -57,9 +57,8 @@ Check = Callable[[Any, str], Any]  # (value, where it was given) -> the value, o
 
 @dataclass(frozen=True)
 class Option:
-    """One setting: where it may be given, how its values are read, its default. ``help`` and ``ini_help`` may
-    say ``{flag}``, ``{ini}``, ``{marker}`` and ``{default}``; each ends with where else the setting is given,
-    and its default, added by :meth:`flag_help` and :meth:`ini_text`."""
+    """One setting: where it may be given, how its values are read, its default. :meth:`flag_help` and
+    :meth:`ini_text` end ``help`` and ``ini_help`` with where else the setting is given, and its default."""
 
     name: str  # what resolution calls it; the offline ``pytest-msprobe compare`` takes a shared one as --NAME
     flag: str | None = None  # pytest's command-line flag; its destination is the flag in underscores
@@ -89,38 +88,26 @@ class Option:
         return self.flag[2:].replace("-", "_")
 
     @property
-    def default_text(self) -> str | None:
-        """The default as help text says it; None where it is no value to show (unset, off, empty)."""
-        if self.default is None or self.default is False or self.default == ():
+    def default_note(self) -> str | None:
+        """``default: VALUE`` for the help; None where there is no value to show (a switch, unset, empty)."""
+        if self.action is not None or self.default is None or self.default is False or self.default == ():
             return None
         if isinstance(self.default, tuple):
-            return " ".join(map(str, self.default))
-        return format(self.default, "g") if isinstance(self.default, float) else str(self.default)
-
-    def text(self, template: str) -> str:
-        fields = {"flag": self.flag, "ini": self.ini, "marker": self.marker, "default": self.default_text}
-        for key, value in fields.items():
-            template = template.replace("{" + key + "}", str(value))
-        return template
+            return "default: " + " ".join(map(str, self.default))
+        return f"default: {format(self.default, 'g') if isinstance(self.default, float) else self.default}"
 
     def flag_help(self, elsewhere: bool = True) -> str:
         """The command-line help; ``elsewhere``: with the default, the ini key and the marker keyword."""
         if self.help == argparse.SUPPRESS or not elsewhere:
-            return self.text(self.help)
-        default = self.default_text
-        where = [f"default: {default}" if default is not None and self.action is None else None]
-        where += [
-            f"ini: {self.ini}" if self.ini else None,
-            f"marker: {self.marker}={self.marker_value}" if self.marker else None,
-        ]
-        return _ending(self.text(self.help), where)
+            return self.help
+        ini = f"ini: {self.ini}" if self.ini else None
+        marker = f"marker: {self.marker}={self.marker_value}" if self.marker else None
+        return _ending(self.help, [self.default_note, ini, marker])
 
     def ini_text(self) -> str:
         """The ini key's help, with the flag and the default."""
-        default = self.default_text
-        where = [self.flag, f"default: {default}" if default is not None and self.action is None else None]
-        text = self.text(self.ini_help or self.help)
-        return _ending(("true: " if self.action == "store_true" else "") + text, where)
+        text = ("true: " if self.action == "store_true" else "") + (self.ini_help or self.help)
+        return _ending(text, [self.flag, self.default_note])
 
 
 def _ending(text: str, where: list[str | None]) -> str:
