@@ -50,7 +50,6 @@ MODULES = {
     _C + "stat_relations": _C + "judging.stat_relations",
     _C + "trend_result": _C + "trend.outcome",
     _C + "thresholds": "pytest_msprobe.thresholds",
-    _C + "thresholds": "pytest_msprobe.thresholds",
     _D + "values": _D + "entries",
     _D + "self_check": _D + "online_self_check",
     _D + "overflow": _D + "overflow_filter",

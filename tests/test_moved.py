@@ -1,5 +1,5 @@
-"""Old import paths: code written against an earlier release still imports, gets the same objects, and is told
-where they are now."""
+"""Old import paths: code written against the package's earlier layout still imports, gets the same objects,
+and is told where they are now."""
 
 from __future__ import annotations
 
