@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -221,11 +220,11 @@ def train(
     return result
 
 
-def free_port() -> int:
-    """A TCP port free on this host now, for the rendezvous of ranks launched here."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def host_store() -> dist.TCPStore:
+    """The ranks' TCPStore, served from the launcher as torchrun's agent serves it, on a port the system picks:
+    no rank hosts it, so none takes it down while a peer still uses it (gloo aborted a rank 0 that left first:
+    'terminate called without an active exception')."""
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
 
 
 def device_shortage(device: str, world_size: int) -> str | None:
@@ -304,7 +303,7 @@ def launch(
     output. The same happens to every rank still running after ``timeout`` seconds. Each rank's stderr is
     passed on to ours as it comes. Returns 0 when every rank succeeded.
     """
-    port = str(free_port())
+    store = host_store()
     procs: list[subprocess.Popen[bytes]] = []
     tails: list[deque[str]] = []
     relays: list[threading.Thread] = []
@@ -319,7 +318,10 @@ def launch(
                 WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size),
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
+                MASTER_PORT=str(store.port),
+                # as under torchrun: every rank is a client of the store the launcher serves at MASTER_ADDR:PORT
+                TORCHELASTIC_USE_AGENT_STORE="True",
+                TORCHELASTIC_RESTART_COUNT="0",
             )
             # a session of its own: Ctrl-C reaches the launcher only, which stops the rank and its children
             proc = subprocess.Popen(
@@ -344,6 +346,7 @@ def launch(
         _stop(procs, grace)
         for relay in relays:
             relay.join(timeout=5)
+        del store  # its server stops once every rank has ended
     if failed is None and not late:
         return 0
     if failed is not None:
